@@ -1,0 +1,29 @@
+"""Local training for dilocod: the model, the data pipeline and the inner optimizer loop.
+
+Depends on torch and the standard library only, so it can be tested and benchmarked without
+any networking stack.
+"""
+
+from .data import Corpus, DataConfig, DataError, ShardSampler, eval_batches, load_corpus
+from .inner import InnerTrainer, StepStats, TrainerConfig, lr_at, resolve_device
+from .model import PRESETS, ModelConfig, ModelSpec, Transformer, build_model, count_params
+
+__all__ = [
+    "PRESETS",
+    "Corpus",
+    "DataConfig",
+    "DataError",
+    "InnerTrainer",
+    "ModelConfig",
+    "ModelSpec",
+    "ShardSampler",
+    "StepStats",
+    "TrainerConfig",
+    "Transformer",
+    "build_model",
+    "count_params",
+    "eval_batches",
+    "load_corpus",
+    "lr_at",
+    "resolve_device",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from dilocod.cli import main
+
+sys.exit(main())

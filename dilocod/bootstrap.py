@@ -1,0 +1,118 @@
+"""`dilocod bootstrap`: a long-lived public DHT node that seeds the run, relays, and shows the run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dilocod import __version__
+from dilocod.http import HttpServer
+from dilocod.metrics import Metrics
+from dilocod.runview import read_run
+from peers.node import Node, NodeOptions, first_public_maddrs
+
+log = logging.getLogger("dilocod.bootstrap")
+
+REFRESH_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class BootstrapArgs:
+    run_id: str
+    host: str
+    port: int
+    http_host: str
+    http_port: int | None
+    maddr_file: Path | None
+    identity_path: Path | None
+    announce: tuple[str, ...] = ()
+    initial_peers: tuple[str, ...] = ()
+
+
+class BootstrapDaemon:
+    def __init__(self, args: BootstrapArgs) -> None:
+        self.args = args
+        self.metrics = Metrics()
+        self.stopping = asyncio.Event()
+        self.node: Node | None = None
+        self.http: HttpServer | None = None
+        self.started = time.time()
+        self._peers: list[dict[str, Any]] = []
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            self.node = Node(
+                NodeOptions(
+                    run_id=self.args.run_id,
+                    initial_peers=self.args.initial_peers,
+                    host=self.args.host,
+                    port=self.args.port,
+                    announce=self.args.announce,
+                    identity_path=str(self.args.identity_path) if self.args.identity_path else None,
+                    relay_service=True,
+                    reachability="public",
+                )
+            )
+            if self.args.identity_path is not None:
+                self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
+            await loop.run_in_executor(None, self.node.start)
+            if self.args.http_port is not None:
+                self.http = HttpServer(self.metrics, self.status, self.run_view)
+                port = await self.http.start(self.args.http_host, self.args.http_port)
+                log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
+            self._announce()
+            await self._watch_until_stopped()
+        finally:
+            if self.http is not None:
+                await self.http.stop()
+            if self.node is not None:
+                await loop.run_in_executor(None, self.node.stop)
+        return 0
+
+    def _display_host(self) -> str:
+        return "127.0.0.1" if self.args.http_host in ("0.0.0.0", "::") else self.args.http_host
+
+    def _announce(self) -> None:
+        assert self.node is not None
+        maddrs = first_public_maddrs(self.node.visible_maddrs())
+        for maddr in maddrs:
+            print(f"bootstrap maddr: {maddr}", flush=True)
+        if self.args.maddr_file is not None:
+            tmp = self.args.maddr_file.with_suffix(".tmp")
+            tmp.write_text("".join(f"{m}\n" for m in maddrs))
+            tmp.replace(self.args.maddr_file)  # readers never see a half-written file
+
+    async def _watch_until_stopped(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._peers = await self.run_view()
+                self.metrics.peers_known.set(len(self._peers))
+            except Exception as e:
+                log.debug("reading the run failed: %r", e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), REFRESH_SECONDS)
+
+    async def run_view(self) -> list[dict[str, Any]]:
+        if self.node is None or self.node.dht is None:
+            return []
+        return await read_run(self.node, self.metrics)
+
+    def status(self) -> dict[str, Any]:
+        node = self.node
+        live = node is not None and node.dht is not None
+        return {
+            "peer_id": node.peer_id if live and node else None,
+            "run_id": self.args.run_id,
+            "role": "bootstrap",
+            "maddrs": first_public_maddrs(node.visible_maddrs()) if live and node else [],
+            "peers_known": len(self._peers),
+            "outer_step": max((p["outer_step"] for p in self._peers), default=0),
+            "uptime_seconds": time.time() - self.started,
+            "version": __version__,
+        }

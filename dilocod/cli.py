@@ -1,0 +1,176 @@
+"""`dilocod`: the command line. Every user error is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dilocod import __version__
+from dilocod.checkpoint import CheckpointError
+from dilocod.config import DEFAULT_RUN_ID, ConfigError, load_config
+from dilocod.trainer import DataError
+from peers.errors import PeersError
+from peers.node import parse_multiaddr
+
+EXIT_USAGE = 2
+EXIT_NETWORK = 1
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range 0..65535")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dilocod", description="Decentralized DiLoCo training, peer to peer."
+    )
+    parser.add_argument("--version", action="version", version=f"dilocod {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    join = sub.add_parser("join", help="join a run (or start one) and train")
+    join.add_argument(
+        "peers", nargs="*", metavar="MULTIADDR", help="bootstrap/peer multiaddrs (/ip4/…/p2p/…)"
+    )
+    join.add_argument("--config", type=Path, help="TOML config (e.g. configs/tiny.toml)")
+    join.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    join.add_argument(
+        "--run-dir", type=Path, default=None, help="checkpoint, identity and logs (default runs/<run.id>)"
+    )
+    join.add_argument("--host", help="listen address (overrides net.host)")
+    join.add_argument("--port", type=_port, help="listen port (overrides net.port)")
+    join.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API (default 127.0.0.1)")
+    join.add_argument("--http-port", type=_port, help="serve /metrics and /api/status on this port")
+    join.add_argument("-v", "--verbose", action="store_true")
+
+    boot = sub.add_parser("bootstrap", help="run a public bootstrap node with the run dashboard")
+    boot.add_argument("peers", nargs="*", metavar="MULTIADDR", help="other bootstrap nodes to link with")
+    boot.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    boot.add_argument("--port", type=_port, default=31337, help="listen port (default 31337)")
+    boot.add_argument(
+        "--announce", action="append", default=[], metavar="MULTIADDR", help="public address to advertise"
+    )
+    boot.add_argument("--http-host", default="0.0.0.0", help="dashboard address (default 0.0.0.0)")
+    boot.add_argument("--http-port", type=_port, help="serve the dashboard, /api/run and /metrics here")
+    boot.add_argument("--run-id", default=DEFAULT_RUN_ID, help=f"run to show (default {DEFAULT_RUN_ID})")
+    boot.add_argument("--maddr-file", type=Path, help="also write the multiaddrs to this file")
+    boot.add_argument("--identity", type=Path, help="key file for a stable peer id across restarts")
+    boot.add_argument("-v", "--verbose", action="store_true")
+
+    demo = sub.add_parser("demo", help="a whole local swarm on loopback: bootstrap + N peers")
+    demo.add_argument("--peers", type=int, default=3, help="number of training peers (default 3)")
+    demo.add_argument("--config", type=Path, default=None, help="peer config (default configs/tiny.toml)")
+    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    demo.add_argument("--http-port", type=_port, default=8080, help="dashboard port (default 8080, 0 = any)")
+    demo.add_argument(
+        "--run-dir", type=Path, default=Path("runs/demo"), help="where the peers keep their files"
+    )
+    demo.add_argument("--rounds", type=int, default=0, help="stop after this many outer rounds (0 = never)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "join":
+            return _join(args)
+        if args.command == "bootstrap":
+            return _bootstrap(args)
+        return _demo(args)
+    except (ConfigError, CheckpointError, DataError) as e:
+        return _fail(str(e), EXIT_USAGE)
+    except PeersError as e:
+        return _fail(str(e), EXIT_USAGE if str(e).startswith("bad multiaddr") else EXIT_NETWORK)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"dilocod: error: {message}", file=sys.stderr)
+    return code
+
+
+def _join(args: argparse.Namespace) -> int:
+    from dilocod.daemon import PeerArgs, PeerDaemon
+    from dilocod.runtime import install_stop_signals, run_main, setup_logging
+
+    overrides = list(args.overrides)
+    if args.host is not None:
+        overrides.append(f'net.host="{args.host}"')
+    if args.port is not None:
+        overrides.append(f"net.port={args.port}")
+    config = load_config(args.config, overrides)
+    for text in args.peers:
+        parse_multiaddr(text)
+    run_dir = args.run_dir or Path("runs") / config.run.id
+    setup_logging(run_dir / "dilocod.log", verbose=args.verbose)
+    daemon_args = PeerArgs(config, run_dir, tuple(args.peers), args.http_host, args.http_port)
+
+    async def _main() -> int:
+        daemon = PeerDaemon(daemon_args)
+        install_stop_signals(daemon.stopping)
+        return await daemon.run()
+
+    try:
+        return run_main(_main())
+    except ValueError as e:  # a checkpoint of another run, a state mismatch: the user's to fix
+        return _fail(str(e).split("\n")[0], EXIT_USAGE)
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    from dilocod.bootstrap import BootstrapArgs, BootstrapDaemon
+    from dilocod.runtime import install_stop_signals, run_main, setup_logging
+
+    for text in args.peers:
+        parse_multiaddr(text)
+    for text in args.announce:
+        parse_multiaddr(text, need_peer_id=False)
+    setup_logging(None, verbose=args.verbose)
+    boot_args = BootstrapArgs(
+        run_id=load_config(None, [f'run.id="{args.run_id}"']).run.id,
+        host=args.host,
+        port=args.port,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        maddr_file=args.maddr_file,
+        identity_path=args.identity,
+        announce=tuple(args.announce),
+        initial_peers=tuple(args.peers),
+    )
+
+    async def _main() -> int:
+        daemon = BootstrapDaemon(boot_args)
+        install_stop_signals(daemon.stopping)
+        return await daemon.run()
+
+    return run_main(_main())
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dilocod.demo import DemoArgs, run_demo
+
+    if args.peers < 1:
+        return _fail(f"--peers must be at least 1, got {args.peers}", EXIT_USAGE)
+    config_path = args.config or Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+    load_config(config_path, args.overrides)  # fail here, once, rather than in every peer
+    return run_demo(
+        DemoArgs(
+            peers=args.peers,
+            config=config_path,
+            overrides=tuple(args.overrides),
+            http_port=args.http_port,
+            run_dir=args.run_dir,
+            rounds=args.rounds,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Configuration: frozen dataclasses, loaded from TOML with `--set section.key=value` overrides.
+
+Each component owns the dataclass of its own section (the trainer's next to the trainer, the outer
+optimizer's next to it); this module only assembles them, checks types strictly and reports the
+first problem as one line that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dilocod.diloco.outer import OuterConfig
+from dilocod.trainer.data import DataConfig
+from dilocod.trainer.inner import TrainerConfig
+from dilocod.trainer.model import PRESETS, ModelConfig
+
+DEFAULT_RUN_ID = "dilocod"  # every configs/*.toml uses it, so a bare bootstrap shows them
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """`[run]`: which run this peer belongs to. Peers only ever meet peers with the same id."""
+
+    id: str = DEFAULT_RUN_ID
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not _RUN_ID.match(self.id):
+            raise ValueError(
+                f"run.id must be 1-64 characters of letters, digits, '-' or '_', got '{self.id}'"
+            )
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """`[averaging]`: how groups form and how long each phase may take."""
+
+    group_size: int = 8  # target group size; groups form with fewer when fewer peers are ready
+    min_group_size: int = 2
+    min_matchmaking_time: float = 3.0  # how long a group's leader waits for more peers to join
+    matchmaking_timeout: float = 15.0  # give up looking for a group after this long
+    allreduce_timeout: float = 60.0  # give up a started all-reduce after this long
+    request_timeout: float = 3.0
+    state_timeout: float = 60.0  # one state download (re-sync) attempt
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"averaging.group_size must be >= 1, got {self.group_size}")
+        if self.min_group_size < 2:
+            raise ValueError(f"averaging.min_group_size must be >= 2, got {self.min_group_size}")
+        for name in ("min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"averaging.{name} must be > 0, got {getattr(self, name)}")
+        if self.matchmaking_timeout <= self.min_matchmaking_time:
+            raise ValueError(
+                "averaging.matchmaking_timeout must be greater than averaging.min_matchmaking_time "
+                f"({self.matchmaking_timeout} <= {self.min_matchmaking_time})"
+            )
+        if not self.state_timeout > 0:
+            raise ValueError(f"averaging.state_timeout must be > 0, got {self.state_timeout}")
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """`[net]`: where this peer listens and how it presents itself."""
+
+    host: str = "0.0.0.0"
+    port: int = 0  # 0 = any free port
+    announce: tuple[str, ...] = ()  # multiaddrs to advertise (port-forwarded hosts)
+    reachability: str = "auto"  # auto | public | private
+    status_interval: float = 5.0  # seconds between this peer's status records in the DHT
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"net.port must be in 0..65535, got {self.port}")
+        if self.reachability not in ("auto", "public", "private"):
+            raise ValueError(f"net.reachability must be auto, public or private, got '{self.reachability}'")
+        if not self.status_interval > 0:
+            raise ValueError(f"net.status_interval must be > 0, got {self.status_interval}")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+
+    def validate(self) -> None:
+        if self.model.preset not in PRESETS:
+            raise ValueError(f"model.preset must be one of {', '.join(PRESETS)}, got '{self.model.preset}'")
+        for section in dataclasses.fields(self):
+            validate = getattr(getattr(self, section.name), "validate", None)
+            if validate is not None:
+                validate()
+
+
+def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read `path` (or the defaults), apply `section.key=value` overrides, type-check and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_toml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    config = _build(Config, raw, prefix="")
+    try:
+        config.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"bad --set '{item}': expected section.key=value")
+    section, name = parts
+    try:  # a TOML literal (number, bool, quoted string, array); otherwise the bare text is a string
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    target = raw.setdefault(section, {})
+    if not isinstance(target, dict):
+        raise ConfigError(f"bad --set '{item}': '{section}' is not a section")
+    target[name] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.') or 'root'}' must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"unknown config key '{prefix}{key}'")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(typing.cast(type, hint), raw[f.name], f"{f.name}.")
+        else:
+            values[f.name] = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Accept `value` for a field of type `hint`, strictly (a bool is not a number, 1.5 is not an int)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is not type(None):
+                return _coerce(value, option, key)
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    if origin is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, "a list of strings" if origin is tuple else str(hint)
+    )
+    raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
+
+
+def describe(config: Config) -> dict[str, dict[str, Any]]:
+    """The effective config as plain data (for logs and the status API)."""
+    return {f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)}

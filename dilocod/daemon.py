@@ -1,0 +1,341 @@
+"""The peer daemon: one asyncio loop owns the node; training runs in one worker thread.
+
+Life cycle (`startup → main_loop → shutdown`):
+- startup: resume from the run dir's checkpoint (if any), build the trainer, start the DHT and the
+  averager, serve HTTP, start publishing our status record;
+- main loop: catch up with the run if it is ahead of us, take the round's H inner steps in the worker
+  thread (the loop keeps serving HTTP and the DHT meanwhile), average pseudo-gradients with whoever is
+  ready (`rounds.py`), write a checkpoint; repeat;
+- shutdown (SIGINT/SIGTERM): let the current inner step finish, write a checkpoint, leave the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dilocod.checkpoint import load_checkpoint, save_checkpoint
+from dilocod.config import Config
+from dilocod.diloco import OuterOptimizer
+from dilocod.http import HttpServer
+from dilocod.metrics import Metrics
+from dilocod.peerstate import PeerState
+from dilocod.rounds import RoundKeeper
+from dilocod.runtime import install_stop_signals
+from dilocod.runview import STATUS_KEY, read_run
+from dilocod.trainer import InnerTrainer, StepStats
+from peers.group import AveragingOptions, GroupAverager
+from peers.node import Node, NodeOptions
+from proto import encode_status
+
+log = logging.getLogger("dilocod.daemon")
+
+STOP_GRACE_SECONDS = 15.0  # how long a running all-reduce may finish after a stop signal
+
+
+@dataclass(frozen=True)
+class PeerArgs:
+    """What the command line adds to the config: where to find the run and where to keep our files."""
+
+    config: Config
+    run_dir: Path
+    initial_peers: tuple[str, ...]
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+
+
+class PeerDaemon:
+    def __init__(self, args: PeerArgs) -> None:
+        self.args = args
+        self.cfg = args.config
+        self.metrics = Metrics()
+        self.state = PeerState(run_id=self.cfg.run.id)
+        self.stopping = asyncio.Event()
+        self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        self.trainer: InnerTrainer | None = None
+        self.outer: OuterOptimizer | None = None
+        self.node: Node | None = None
+        self.group: GroupAverager | None = None
+        self.http: HttpServer | None = None
+        self.rounds: RoundKeeper | None = None
+        self._snapshot: tuple[bytes, list[torch.Tensor]] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ---- life cycle ----------------------------------------------------------------------------------
+    async def run(self) -> int:
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        checkpoint = await loop.run_in_executor(None, load_checkpoint, self.args.run_dir)
+        await loop.run_in_executor(self.train_pool, self._build_trainer, checkpoint)
+        await self._start_network()
+        await self._start_http()
+        assert self.trainer is not None and self.outer is not None and self.group is not None
+        self.rounds = RoundKeeper(
+            self.cfg, self.state, self.metrics, self.trainer, self.outer, self.group, self
+        )
+        self.rounds.share_state()
+        self._tasks.append(asyncio.create_task(self._publish_status_forever()))
+        self.state.phase = "training"
+        log.info(
+            "peer %s joined run '%s' at outer step %d (inner step %d); listening on %s",
+            self.state.peer_id, self.cfg.run.id, self.state.outer_step, self.state.inner_step,
+            ", ".join(self.state.maddrs) or "(client mode)",
+        )  # fmt: skip
+
+    def _build_trainer(self, checkpoint: dict[str, Any] | None) -> None:
+        """Runs in the trainer thread: torch work stays off the event loop."""
+        cfg = self.cfg
+        if cfg.trainer.threads > 0:
+            torch.set_num_threads(cfg.trainer.threads)
+        # The data order is tied to our persistent identity, so it survives restarts.
+        self.trainer = InnerTrainer(
+            cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=self._peer_key()
+        )
+        self.outer = OuterOptimizer(self.trainer.working_params_fp32(), cfg.outer)
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        self._sync_state_counters()
+
+    def _restore(self, checkpoint: dict[str, Any]) -> None:
+        assert self.trainer is not None and self.outer is not None
+        if checkpoint.get("run_id") != self.cfg.run.id or checkpoint.get("preset") != self.cfg.model.preset:
+            raise ValueError(
+                f"checkpoint in {self.args.run_dir} belongs to run '{checkpoint.get('run_id')}' "
+                f"(preset {checkpoint.get('preset')}), not '{self.cfg.run.id}' ({self.cfg.model.preset}); "
+                "use another --run-dir"
+            )
+        outer = checkpoint["outer"]
+        self.outer.load_state(int(outer["step"]), [*outer["params"], *outer["momentum"]])
+        self.trainer.load_state_dict(checkpoint["trainer"])
+        counters = checkpoint.get("counters", {})
+        self.state.round_steps = int(counters.get("round_steps", 0))
+        self.state.rounds_ok = int(counters.get("rounds_ok", 0))
+        self.state.rounds_failed = int(counters.get("rounds_failed", 0))
+        self.state.resyncs = int(counters.get("resyncs", 0))
+        log.info(
+            "resumed from checkpoint at outer step %d, inner step %d", self.outer.step, self.trainer.step
+        )
+
+    def _peer_key(self) -> str:
+        """A stable per-identity key for data sharding, known before the DHT starts."""
+        identity = self.args.run_dir / "identity.key"
+        if not identity.exists():
+            self.args.run_dir.mkdir(parents=True, exist_ok=True)
+            from hivemind.p2p import P2P
+
+            P2P.generate_identity(str(identity))
+        import hashlib
+
+        return hashlib.sha256(identity.read_bytes()).hexdigest()[:32]
+
+    async def _start_network(self) -> None:
+        assert self.outer is not None
+        loop = asyncio.get_running_loop()
+        net = self.cfg.net
+        self.node = Node(
+            NodeOptions(
+                run_id=self.cfg.run.id,
+                initial_peers=self.args.initial_peers,
+                host=net.host,
+                port=net.port,
+                announce=net.announce,
+                identity_path=str(self.args.run_dir / "identity.key"),
+                client_mode=net.reachability == "private",
+                reachability=None if net.reachability == "auto" else net.reachability,
+            )
+        )
+        await loop.run_in_executor(None, self.node.start)
+        avg = self.cfg.averaging
+        options = AveragingOptions(
+            target_group_size=avg.group_size,
+            min_group_size=avg.min_group_size,
+            min_matchmaking_time=avg.min_matchmaking_time,
+            matchmaking_timeout=avg.matchmaking_timeout,
+            allreduce_timeout=avg.allreduce_timeout,
+            request_timeout=avg.request_timeout,
+            mode="client" if net.reachability == "private" else "node",
+        )
+        self.group = GroupAverager(self.node, self.outer.params, options, self._current_state)
+        # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be
+        # the main thread, and our own handlers go back on afterwards.
+        self.group.start()
+        install_stop_signals(self.stopping)
+        self.state.peer_id = self.node.peer_id
+        self.state.maddrs = self.node.visible_maddrs()
+        self.state.reachability = "private" if net.reachability == "private" else "public"
+
+    async def _start_http(self) -> None:
+        if self.args.http_port is None:
+            return
+        self.http = HttpServer(self.metrics, self.status, self.run_view)
+        port = await self.http.start(self.args.http_host, self.args.http_port)
+        log.info("http: http://%s:%d/api/status", self.args.http_host, port)
+
+    async def main_loop(self) -> None:
+        assert self.rounds is not None
+        await self.rounds.catch_up()
+        H = self.cfg.trainer.inner_steps
+        while not self.stopping.is_set():
+            stats = await self.train(H - self.state.round_steps)
+            if self.stopping.is_set():
+                break
+            if self.state.round_steps < H:
+                continue
+            await self._until_stopped(self.rounds.sync(stats), grace=STOP_GRACE_SECONDS)
+            if not self.stopping.is_set():
+                await self.checkpoint()
+
+    async def _until_stopped(self, work: Any, grace: float) -> None:
+        """Await `work`; if a stop arrives first, give it `grace` seconds more, then cancel it."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not task.done():
+            done, _ = await asyncio.wait({task}, timeout=grace)
+            if not done:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return
+        task.result()
+
+    async def shutdown(self) -> None:
+        self.state.phase = "stopping"
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.trainer is not None and self.outer is not None:
+            try:
+                await self.checkpoint()
+            except Exception as e:  # never lose the shutdown of the network to a full disk
+                log.error("could not write the final checkpoint: %s", e)
+        loop = asyncio.get_running_loop()
+        if self.http is not None:
+            await self.http.stop()
+        if self.group is not None:
+            await loop.run_in_executor(None, self.group.stop)
+        if self.node is not None:
+            await loop.run_in_executor(None, self.node.stop)
+        self.train_pool.shutdown(wait=True, cancel_futures=True)
+        log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
+
+    # ---- training ------------------------------------------------------------------------------------
+    async def train(self, steps: int) -> StepStats:
+        """Take up to `steps` inner steps in the trainer thread; returns early when stopping."""
+        assert self.trainer is not None
+        self.state.phase = "training"
+        loop = asyncio.get_running_loop()
+        trainer = self.trainer
+        stopping = self.stopping
+        started = time.monotonic()
+
+        def _on_step(step: int, loss: float) -> None:
+            loop.call_soon_threadsafe(self._count_step, step, loss)
+
+        stats = await loop.run_in_executor(
+            self.train_pool, lambda: trainer.train_steps(steps, should_stop=stopping.is_set, on_step=_on_step)
+        )
+        self.state.train_seconds += time.monotonic() - started
+        self.state.round_steps += stats.steps
+        if stats.steps:
+            self.state.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
+            self.metrics.tokens_per_second.set(self.state.tokens_per_second)
+            self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
+        self.metrics.compute_utilization.set(self.state.compute_utilization())
+        return stats
+
+    def _count_step(self, step: int, loss: float) -> None:
+        assert self.trainer is not None
+        self.state.inner_step = step
+        self.metrics.inner_steps.inc()
+        self.metrics.tokens.inc(self.trainer.tokens_per_step)
+        if math.isfinite(loss):
+            self.metrics.train_loss.set(loss)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def _sync_state_counters(self) -> None:
+        assert self.trainer is not None and self.outer is not None
+        self.state.outer_step = self.outer.step
+        self.state.inner_step = self.trainer.step
+        self.state.global_sha256 = self.outer.sha256
+        self.metrics.outer_step.set(self.outer.step)
+
+    def _current_state(self) -> tuple[bytes, list[torch.Tensor]]:
+        """What a peer downloading our state gets (called from hivemind's thread; returns a snapshot)."""
+        if self._snapshot is None:
+            raise RuntimeError("no state to share yet")
+        return self._snapshot
+
+    def set_snapshot(self, snapshot: tuple[bytes, list[torch.Tensor]]) -> None:
+        self._snapshot = snapshot
+
+    async def checkpoint(self) -> None:
+        assert self.trainer is not None and self.outer is not None
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        payload = await loop.run_in_executor(self.train_pool, self._checkpoint_payload)
+        await loop.run_in_executor(None, save_checkpoint, self.args.run_dir, payload)
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+
+    def _checkpoint_payload(self) -> dict[str, Any]:
+        assert self.trainer is not None and self.outer is not None
+        return {
+            "run_id": self.cfg.run.id,
+            "preset": self.cfg.model.preset,
+            "outer": {
+                "step": self.outer.step,
+                "params": [p.clone() for p in self.outer.params],
+                "momentum": [m.clone() for m in self.outer.momentum],
+                "sha256": self.outer.sha256,
+            },
+            "trainer": self.trainer.state_dict(),
+            "counters": {
+                "round_steps": self.state.round_steps,
+                "rounds_ok": self.state.rounds_ok,
+                "rounds_failed": self.state.rounds_failed,
+                "resyncs": self.state.resyncs,
+            },
+        }
+
+    # ---- observability -------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return self.state.status()
+
+    async def run_view(self) -> list[dict[str, Any]]:
+        if self.node is None or self.node.dht is None:
+            return []
+        return await read_run(self.node, self.metrics)
+
+    async def publish_status(self) -> None:
+        if self.node is None or self.node.dht is None:
+            return
+        ttl = max(3 * self.cfg.net.status_interval, 15.0)
+        await self.node.publish(STATUS_KEY, encode_status(self.state.record()), ttl=ttl)
+
+    async def _publish_status_forever(self) -> None:
+        while True:
+            try:
+                await self.publish_status()
+                others = [r for r in await self.run_view() if r["peer_id"] != self.state.peer_id]
+                self.state.peers_known = sum(1 for r in others if r["role"] != "bootstrap")
+                self.metrics.peers_known.set(self.state.peers_known)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the DHT being briefly unreachable must not stop the heartbeat
+                log.debug("status publish failed: %r", e)
+            await asyncio.sleep(self.cfg.net.status_interval)

@@ -1,0 +1,97 @@
+"""The outer loop of DiLoCo: θ_global, pseudo-gradients and the Nesterov outer step. Pure tensor code.
+
+Every peer of a group applies the same averaged pseudo-gradient to the same θ_global and must end
+with the same bits. So each update is a chain of plain elementwise ops, one rounding each: no
+`alpha=` fused multiply-adds, whose rounding can differ between a vectorised and a scalar kernel
+(and so between two peers' CPUs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The `[outer]` section: the outer optimizer (SGD with Nesterov momentum)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
+
+
+def global_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of the fp32 bytes of `tensors`, in order (θ_global's parameters in state_dict order)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        digest.update(flat.numpy().tobytes())
+    return digest.hexdigest()
+
+
+class OuterOptimizer:
+    """Holds θ_global (fp32, CPU) and the outer momentum; applies one outer step per round."""
+
+    def __init__(self, initial: Sequence[torch.Tensor], cfg: OuterConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.params = [t.detach().to(device="cpu", dtype=torch.float32).clone() for t in initial]
+        self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.step = 0
+        self.sha256 = global_sha256(self.params)
+
+    @property
+    def num_elements(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def pseudo_gradient(self, local: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Δ = θ_global − θ_local: how far this peer's H inner steps moved it, with the sign of a gradient."""
+        if len(local) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} tensors, got {len(local)}")
+        return [
+            g - t.detach().to(device="cpu", dtype=torch.float32)
+            for g, t in zip(self.params, local, strict=False)
+        ]
+
+    @torch.no_grad()
+    def apply(self, averaged_delta: Sequence[torch.Tensor]) -> None:
+        """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov."""
+        if len(averaged_delta) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} tensors, got {len(averaged_delta)}")
+        mu, lr = self.cfg.momentum, self.cfg.lr
+        for param, buf, delta in zip(self.params, self.momentum, averaged_delta, strict=False):
+            if delta.shape != param.shape:
+                raise ValueError(f"shape mismatch: {tuple(delta.shape)} vs {tuple(param.shape)}")
+            delta = delta.to(torch.float32)
+            buf.copy_(torch.add(torch.mul(buf, mu), delta))
+            direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
+            param.copy_(torch.sub(param, torch.mul(direction, lr)))
+        self.step += 1
+        self.sha256 = global_sha256(self.params)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """θ_global then the momentum buffers: what a peer downloads to re-sync."""
+        return [*self.params, *self.momentum]
+
+    def load_state(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Adopt θ_global and momentum (as from `state_tensors`) at outer step `step`."""
+        n = len(self.params)
+        if len(tensors) != 2 * n:
+            raise ValueError(f"expected {2 * n} state tensors, got {len(tensors)}")
+        for own, new in zip([*self.params, *self.momentum], tensors, strict=False):
+            if own.shape != new.shape:
+                raise ValueError(f"state shape mismatch: {tuple(new.shape)} vs {tuple(own.shape)}")
+        for own, new in zip([*self.params, *self.momentum], tensors, strict=False):
+            own.copy_(new.to(torch.float32))
+        self.step = int(step)
+        self.sha256 = global_sha256(self.params)

@@ -1,0 +1,106 @@
+"""What a peer knows about its own progress: the numbers behind `/api/status` and its DHT record."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dilocod import __version__
+
+HISTORY = 100  # rounds kept for the status API and dashboard
+
+
+@dataclass
+class RoundRecord:
+    outer_step: int  # the outer step this round produced (or would have)
+    result: str  # ok | alone | no_group | failed | resynced | diverged
+    group_size: int
+    seconds: float
+    global_sha256: str
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class PeerState:
+    peer_id: str = ""
+    run_id: str = ""
+    role: str = "peer"
+    reachability: str = "unknown"
+    maddrs: list[str] = field(default_factory=list)
+    outer_step: int = 0
+    inner_step: int = 0
+    round_steps: int = 0  # inner steps taken since θ_global was last adopted
+    loss: float = math.nan
+    eval_loss: float | None = None
+    tokens_per_second: float = 0.0
+    global_sha256: str = "0" * 64
+    group_size: int = 0
+    alone: bool = False
+    peers_known: int = 0
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    resyncs: int = 0
+    last_round_seconds: float | None = None
+    phase: str = "starting"  # starting | training | averaging | syncing | stopping
+    started: float = field(default_factory=time.time)
+    train_seconds: float = 0.0
+    history: deque[RoundRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    def compute_utilization(self) -> float:
+        wall = time.time() - self.started
+        return min(1.0, self.train_seconds / wall) if wall > 0 else 0.0
+
+    def status(self) -> dict[str, Any]:
+        """The `/api/status` object."""
+        return {
+            "peer_id": self.peer_id,
+            "run_id": self.run_id,
+            "role": self.role,
+            "reachability": self.reachability,
+            "maddrs": list(self.maddrs),
+            "phase": self.phase,
+            "outer_step": self.outer_step,
+            "inner_step": self.inner_step,
+            "round_steps": self.round_steps,
+            "loss": self.loss,
+            "eval_loss": self.eval_loss,
+            "tokens_per_second": self.tokens_per_second,
+            "global_sha256": self.global_sha256,
+            "group_size": self.group_size,
+            "alone": self.alone,
+            "peers_known": self.peers_known,
+            "rounds_ok": self.rounds_ok,
+            "rounds_failed": self.rounds_failed,
+            "resyncs": self.resyncs,
+            "last_round_seconds": self.last_round_seconds,
+            "compute_utilization": self.compute_utilization(),
+            "uptime_seconds": time.time() - self.started,
+            "version": __version__,
+            "rounds": [vars(r) for r in self.history],
+        }
+
+    def record(self) -> dict[str, Any]:
+        """This peer's DHT status record (schema `proto.STATUS`)."""
+        return {
+            "peer_id": self.peer_id,
+            "run_id": self.run_id,
+            "role": self.role,
+            "reachability": self.reachability,
+            "outer_step": self.outer_step,
+            "inner_step": self.inner_step,
+            "loss": None if self.loss is None else float(self.loss),
+            "eval_loss": self.eval_loss,
+            "tokens_per_second": max(0.0, float(self.tokens_per_second)),
+            "global_sha256": self.global_sha256,
+            "group_size": self.group_size,
+            "alone": self.alone,
+            "last_round_seconds": self.last_round_seconds,
+            "rounds_ok": self.rounds_ok,
+            "rounds_failed": self.rounds_failed,
+            "time": time.time(),
+            "version": __version__,
+            "maddrs": self.maddrs[:16],
+        }

@@ -1,0 +1,259 @@
+"""One outer round, and getting back in step with the run when we are not.
+
+The rules, which keep every group member's θ_global bit-identical:
+- a pseudo-gradient is only averaged with peers at the same outer step holding the same θ_global
+  (the group's tickets decide who counts, see `peers/averager.py`);
+- a complete, agreed average is applied by everyone with the same code: same bytes in, same bytes out;
+- a peer whose round failed, or that found itself in the minority, or that finds the run ahead of it,
+  downloads θ_global and the outer momentum from a peer (verified against its hash) before it
+  contributes again;
+- a peer that found no group keeps its inner progress and tries again after H more steps, unless no
+  other peer of the run is alive: then it is alone and applies its own pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dilocod.config import Config
+from dilocod.diloco import OuterOptimizer, global_sha256
+from dilocod.metrics import Metrics
+from dilocod.peerstate import PeerState, RoundRecord
+from dilocod.trainer import InnerTrainer, StepStats
+from peers.group import DownloadedState, GroupAverager
+from proto import ProtoError, decode_state_meta, encode_state_meta, encode_ticket
+
+if TYPE_CHECKING:
+    from dilocod.daemon import PeerDaemon
+
+log = logging.getLogger("dilocod.rounds")
+
+DOWNLOAD_ATTEMPTS = 3
+
+
+class RoundKeeper:
+    def __init__(
+        self,
+        cfg: Config,
+        state: PeerState,
+        metrics: Metrics,
+        trainer: InnerTrainer,
+        outer: OuterOptimizer,
+        group: GroupAverager,
+        daemon: PeerDaemon,
+    ) -> None:
+        self.cfg, self.state, self.metrics = cfg, state, metrics
+        self.trainer, self.outer, self.group, self.daemon = trainer, outer, group, daemon
+
+    # ---- one round -----------------------------------------------------------------------------------
+    async def sync(self, stats: StepStats) -> None:
+        """Average this round's pseudo-gradient with a group and apply the outer step."""
+        self.state.phase = "averaging"
+        self.state.loss = stats.mean_loss if stats.steps else self.state.loss
+        local = await self._in_trainer(self.trainer.working_params_fp32)
+        delta = self.outer.pseudo_gradient(local)
+        ticket = encode_ticket(
+            {
+                "outer_step": self.outer.step,
+                "global_sha256": self.outer.sha256,
+                "num_params": self.outer.num_elements,
+                "role": "peer",
+            }
+        )
+        outcome = await self.group.average(self.outer.step, ticket, delta)
+        self.state.last_round_seconds = outcome.seconds
+        self.metrics.round_seconds.observe(outcome.seconds)
+        if outcome.averaged is not None:
+            await self._apply(outcome.averaged, "ok", outcome.group_size, outcome.seconds)
+            return
+        if outcome.found_group and not outcome.in_majority and outcome.error is None:
+            log.warning("our θ_global is not the group's at outer step %d: re-syncing", self.outer.step)
+            self._count_failure("diverged", outcome.group_size, outcome.seconds)
+            await self._catch_up_or_retry(force=True)
+            return
+        if outcome.found_group:
+            log.warning(
+                "round %d failed (%s); checking whether the run moved on", self.outer.step, outcome.error
+            )
+            self._count_failure("failed", outcome.group_size, outcome.seconds)
+            await self._catch_up_or_retry()
+            return
+        await self._no_group(delta, outcome.seconds)
+
+    async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> None:
+        others = await self._other_peers()
+        if any(r["outer_step"] > self.outer.step for r in others):
+            self._count_failure("no_group", 0, seconds)
+            await self._catch_up_or_retry()
+        elif others:
+            # Others exist at our step but did not meet us in time: keep our progress, retry in H steps.
+            log.info(
+                "no group at outer step %d; %d peers known, retrying after the next round",
+                self.outer.step,
+                len(others),
+            )
+            self._count_failure("no_group", 0, seconds)
+            self.state.round_steps = 0
+        else:
+            log.info(
+                "alone in the run: applying our own pseudo-gradient (outer step %d)", self.outer.step + 1
+            )
+            await self._apply(delta, "alone", 1, seconds)
+
+    async def _catch_up_or_retry(self, *, force: bool = False) -> None:
+        """Re-sync if we can; otherwise keep our inner progress and try the next round after H more steps."""
+        if not await self.catch_up(force=force):
+            self.state.round_steps = 0
+
+    async def _apply(
+        self, averaged: list[torch.Tensor], result: str, group_size: int, seconds: float
+    ) -> None:
+        await self._in_trainer(lambda: self._apply_in_trainer(averaged))
+        self.state.alone = result == "alone"
+        self.state.group_size = group_size
+        self.state.rounds_ok += 1
+        self.metrics.rounds.labels(result=result).inc()
+        self.metrics.group_size.set(group_size)
+        self._record(result, group_size, seconds)
+        self._after_new_global()
+        if self.outer.step % self.cfg.trainer.eval_every == 0:
+            self.state.eval_loss = await self._in_trainer(self.trainer.evaluate)
+            self.metrics.eval_loss.set(self.state.eval_loss)
+        log.info(
+            "outer step %d: %s, group of %d, loss %.4f, eval %s, %.0f tokens/s, round %.1fs, θ %s",
+            self.outer.step, result, group_size, self.state.loss,
+            "–" if self.state.eval_loss is None else f"{self.state.eval_loss:.4f}",
+            self.state.tokens_per_second, seconds, self.outer.sha256[:12],
+        )  # fmt: skip
+        await self.daemon.publish_status()
+
+    def _apply_in_trainer(self, averaged: list[torch.Tensor]) -> None:
+        self.outer.apply(averaged)
+        self.trainer.load_params(self.outer.params)  # the working copy restarts from θ_global
+
+    def _count_failure(self, result: str, group_size: int, seconds: float) -> None:
+        self.state.rounds_failed += 1
+        self.metrics.rounds.labels(result=result).inc()
+        self._record(result, group_size, seconds)
+
+    def _record(self, result: str, group_size: int, seconds: float) -> None:
+        self.state.history.append(
+            RoundRecord(self.outer.step, result, group_size, round(seconds, 3), self.outer.sha256)
+        )
+
+    def _after_new_global(self) -> None:
+        self.state.round_steps = 0
+        self.state.outer_step = self.outer.step
+        self.state.global_sha256 = self.outer.sha256
+        self.metrics.outer_step.set(self.outer.step)
+        self.share_state()
+
+    def share_state(self) -> None:
+        """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
+        meta = encode_state_meta(
+            {
+                "outer_step": self.outer.step,
+                "global_sha256": self.outer.sha256,
+                "num_tensors": 2 * len(self.outer.params),
+                "param_count": len(self.outer.params),
+                "time": time.time(),
+            }
+        )
+        self.daemon.set_snapshot((meta, [t.clone() for t in self.outer.state_tensors()]))
+        self.group.set_state_step(self.outer.step)
+
+    # ---- catching up -----------------------------------------------------------------------------------
+    async def catch_up(self, *, force: bool = False) -> bool:
+        """Download θ_global from a peer if the run is ahead of us (or, with `force`, if we diverged)."""
+        others = await self._other_peers()
+        best = max((r["outer_step"] for r in others), default=-1)
+        if best < self.outer.step or (best == self.outer.step and not force):
+            return False
+        self.state.phase = "syncing"
+        expected = _majority_hashes(others)
+        min_step = self.outer.step if force else self.outer.step + 1
+        tried: list[str] = []
+        for _ in range(DOWNLOAD_ATTEMPTS):
+            downloaded = await self.group.download_state(
+                exclude=tried,
+                min_step=min_step,
+                max_elements=2 * self.outer.num_elements,
+                timeout=self.cfg.averaging.state_timeout,
+            )
+            if downloaded is None:
+                break
+            tried.append(downloaded.donor)
+            problem = self._verify(downloaded, expected, min_step)
+            if problem is None:
+                await self._adopt(downloaded)
+                return True
+            log.warning("refused state from %s: %s", downloaded.donor, problem)
+        log.warning("could not re-sync from peers (best known outer step %d); training on", best)
+        return False
+
+    def _verify(self, downloaded: DownloadedState, expected: dict[int, str], min_step: int) -> str | None:
+        try:
+            meta = decode_state_meta(downloaded.meta)
+        except ProtoError as e:
+            return f"bad metadata: {e}"
+        n = len(self.outer.params)
+        tensors = downloaded.tensors
+        if meta["outer_step"] < min_step:
+            return f"it is at outer step {meta['outer_step']}, we need {min_step}"
+        if len(tensors) != 2 * n or meta["param_count"] != n:
+            return f"expected {2 * n} tensors, got {len(tensors)}"
+        for own, new in zip(self.outer.state_tensors(), tensors, strict=False):
+            if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
+                return "a tensor has the wrong shape, dtype or non-finite values"
+        actual = global_sha256(tensors[:n])
+        if actual != meta["global_sha256"]:
+            return "its θ_global does not match its own hash"
+        agreed = expected.get(meta["outer_step"])
+        if agreed is not None and agreed != actual:
+            return "its θ_global is not the one most peers report for that step"
+        return None
+
+    async def _adopt(self, downloaded: DownloadedState) -> None:
+        meta = decode_state_meta(downloaded.meta)
+        await self._in_trainer(lambda: self._adopt_in_trainer(meta["outer_step"], downloaded.tensors))
+        self.state.resyncs += 1
+        self.metrics.resyncs.inc()
+        self.state.alone = False
+        self._record("resynced", 0, 0.0)
+        self._after_new_global()
+        log.info(
+            "re-synced to outer step %d from %s (θ %s)",
+            self.outer.step,
+            downloaded.donor,
+            self.outer.sha256[:12],
+        )
+        await self.daemon.publish_status()
+
+    def _adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> None:
+        self.outer.load_state(step, tensors)
+        self.trainer.load_params(self.outer.params)
+
+    async def _other_peers(self) -> list[dict[str, Any]]:
+        try:
+            records = await self.daemon.run_view()
+        except Exception as e:
+            log.debug("could not read the run's records: %r", e)
+            return []
+        return [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
+
+    async def _in_trainer(self, fn: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.daemon.train_pool, fn)
+
+
+def _majority_hashes(records: list[dict[str, Any]]) -> dict[int, str]:
+    """For each outer step, the θ hash most peers report (None-free); used to refuse odd donors."""
+    by_step: dict[int, Counter[str]] = {}
+    for record in records:
+        by_step.setdefault(record["outer_step"], Counter())[record["global_sha256"]] += 1
+    return {step: counts.most_common(1)[0][0] for step, counts in by_step.items()}

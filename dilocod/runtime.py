@@ -1,0 +1,60 @@
+"""Process-level plumbing shared by every command: the event loop, signals and logging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+
+def run_main(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` on uvloop when it is installed (faster sockets for HTTP), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set `stop`; a second signal while stopping exits at once."""
+    loop = asyncio.get_running_loop()
+
+    def _on_signal(signum: int) -> None:
+        if stop.is_set():
+            logging.getLogger("dilocod").warning("second signal: exiting without cleanup")
+            sys.exit(130)
+        logging.getLogger("dilocod").info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, _on_signal, signum)
+
+
+def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
+    """Our own log lines to stderr and (when a run dir exists) to a file; hivemind's chatter to the file only."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(fmt)
+    console.setLevel(logging.DEBUG if verbose else logging.INFO)
+    # hivemind logs every failed matchmaking as an error with a traceback: useful in the file, noise on a console.
+    console.addFilter(lambda record: record.name.startswith("dilocod"))
+    root.addHandler(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file)
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
+    # hivemind installs its own handler on its logger; route it through ours instead.
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)

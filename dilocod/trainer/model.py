@@ -1,0 +1,214 @@
+"""A small decoder-only transformer over byte tokens.
+
+Pre-norm blocks with RMSNorm, rotary position embeddings, SwiGLU MLPs and causal
+``scaled_dot_product_attention``; no biases anywhere. The embedding and the output head are
+*untied*: with a 256-token byte vocabulary each is only ``256 * d_model`` parameters, so tying
+saves nothing worth having, while untied weights let the head and the input embedding specialise
+and keep every parameter a distinct tensor (simpler for code that flattens parameters for the
+outer DiLoCo step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``[model]`` section of the config file."""
+
+    preset: str = "tiny"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int
+    max_seq_len: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# Parameter totals (exact, see count_params): tiny 918,656; small 20,716,032;
+# 124m 123,101,952; 1b 1,028,737,024. With only 256 tokens nearly all parameters live in the
+# blocks, so "124m" is deeper than GPT-2 small (16 layers, not 12) to reach the same size.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(vocab_size=256, d_model=128, n_layers=4, n_heads=4, ffn_hidden=384, max_seq_len=256),
+    "small": ModelSpec(vocab_size=256, d_model=512, n_layers=6, n_heads=8, ffn_hidden=1536, max_seq_len=1024),
+    "124m": ModelSpec(
+        vocab_size=256, d_model=768, n_layers=16, n_heads=12, ffn_hidden=2304, max_seq_len=1024
+    ),
+    "1b": ModelSpec(vocab_size=256, d_model=2048, n_layers=20, n_heads=16, ffn_hidden=5632, max_seq_len=2048),
+}
+
+ROPE_BASE = 10000.0
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: under bf16 autocast the mean of squares loses too much precision.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim // 2] for rotary embeddings."""
+    inv_freq = 1.0 / (
+        ROPE_BASE ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position-dependent angles.
+
+    x: [B, H, T, D]; cos/sin: [T, D/2].
+    """
+    # chunk/cat (not slicing) so the backward pass is a cheap cat instead of zero-fill + copy.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.n_heads = spec.n_heads
+        self.head_dim = spec.head_dim
+        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=False)
+        self.out = nn.Linear(spec.d_model, spec.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate = nn.Linear(spec.d_model, spec.ffn_hidden, bias=False)
+        self.up = nn.Linear(spec.d_model, spec.ffn_hidden, bias=False)
+        self.down = nn.Linear(spec.ffn_hidden, spec.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.d_model)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.d_model)
+        self.mlp = SwiGLU(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if spec.d_model % spec.n_heads or spec.head_dim % 2:
+            raise ValueError(f"d_model {spec.d_model} must split into {spec.n_heads} heads of even size")
+        self.spec = spec
+        # Recompute activations in backward to trade compute for memory on large presets.
+        self.activation_checkpointing = False
+        self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.norm = RMSNorm(spec.d_model)
+        self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        # RoPE tables are derived data, not state: kept out of state_dict (so parameters are the
+        # whole state) and rebuilt lazily per (length, device).
+        self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_tables(seq_len, self.spec.head_dim, device)
+        return self._rope_cache[key]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: [B, T] int64 token ids -> logits [B, T, vocab_size]."""
+        seq_len = idx.shape[1]
+        if seq_len > self.spec.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.spec.max_seq_len}")
+        cos, sin = self._rope(seq_len, idx.device)
+        x = self.embed(idx)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def _uniform_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``tensor`` with a zero-mean uniform distribution of standard deviation ``std``.
+
+    Built from integers on purpose: torch's ``normal_`` uses SIMD-dispatched log/cos whose last
+    bits can differ between CPUs (AVX2 vs AVX-512 vs ARM), but Mersenne-Twister integers and
+    IEEE multiply/add are identical everywhere, so every peer gets bit-identical weights.
+    """
+    bits = 24
+    ints = torch.randint(0, 2**bits, tuple(tensor.shape), generator=gen, dtype=torch.int64)
+    unit = (ints.double() + 0.5) * (2.0 / 2**bits) - 1.0  # in (-1, 1)
+    with torch.no_grad():
+        tensor.copy_(unit * (std * math.sqrt(3.0)))
+
+
+def init_weights(model: Transformer, seed: int) -> None:
+    """Deterministically initialise every parameter from ``seed`` alone (global RNG untouched)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # GPT-2 style: shrink residual-branch output projections so the residual stream's variance
+    # does not grow with depth.
+    residual_std = INIT_STD / math.sqrt(2 * model.spec.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            with torch.no_grad():
+                param.fill_(1.0)
+        elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+            _uniform_(param, residual_std, gen)
+        else:
+            _uniform_(param, INIT_STD, gen)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """Build the preset on CPU with parameters fixed by ``seed`` (same on every machine)."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown model.preset {cfg.preset!r} (choose from {', '.join(PRESETS)})")
+    # Construct on the meta device: no memory, no wasted default init, no global-RNG draws.
+    with torch.device("meta"):
+        model = Transformer(PRESETS[cfg.preset])
+    model.to_empty(device="cpu")
+    init_weights(model, seed)
+    return model
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameter elements (works on meta-device models too)."""
+    return sum(p.numel() for p in model.parameters())

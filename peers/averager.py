@@ -1,0 +1,236 @@
+"""The run's averager: hivemind's DecentralizedAverager with the group's decisions made explicit.
+
+It runs in its own process (hivemind's design); methods prefixed `_` below run there, the rest in the
+host. What it adds:
+- each round is keyed by its outer step (the group key's bits), so only peers at the same step meet;
+- members exchange tickets (`proto.ROUND_TICKET`) while matching; every member decides the same
+  weights from the same gathered tickets: 1 for members whose (step, θ hash) is the group majority,
+  0 for everyone else (they still take part, and learn that they must re-sync);
+- results are exact (see `allreduce.py`) and land in the shared tensors only when complete, so a
+  failed round leaves the inputs intact;
+- state downloads skip donors the caller excludes or that are behind, and are size-bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import ValueWithExpiration
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+
+from peers.allreduce import ExactAllReduceRunner
+from proto import ProtoError, decode_ticket
+
+StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
+
+
+def round_group_bits(round_index: int) -> str:
+    """Group-key bits that put only peers at the same outer step into the same matchmaking bucket."""
+    return format(round_index % 2**32, "032b")
+
+
+class RunAverager(DecentralizedAverager):
+    def __init__(self, *args: Any, state_provider: StateProvider | None = None, **kwargs: Any) -> None:
+        self._state_provider = state_provider
+        super().__init__(*args, **kwargs)
+
+    # ---- host side ----------------------------------------------------------------------------------
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
+        """Called (in the host) when a peer downloads our state."""
+        if self._state_provider is None:
+            raise RuntimeError("this peer does not share state")
+        meta, tensors = self._state_provider()
+        return meta, tensors, None
+
+    def download_state(
+        self, *, exclude: Sequence[str], min_step: int, max_elements: int, timeout: float
+    ) -> Any:
+        future: MPFuture = MPFuture()
+        kwargs = dict(future=future, exclude=list(exclude), min_step=min_step, max_elements=max_elements)
+        self._outer_pipe.send(("_download_state", [], dict(kwargs, timeout=timeout)))
+        return future
+
+    # ---- averager process ----------------------------------------------------------------------------
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        try:
+            bandwidths, modes, tickets = _decode_gathered(self.serializer, group_info.gathered)
+            weights = agree_weights(tickets, modes)
+            if not any(weights):
+                raise AllreduceException("no member of the group holds a valid ticket")
+            download = [
+                bw if mode != AveragingMode.CLIENT else 0.0
+                for bw, mode in zip(bandwidths, modes, strict=False)
+            ]
+            fractions = await asyncio.get_running_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download, min_vector_size
+            )
+            kwargs.pop("weight", None)  # the sender's own claim is never used
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                runner = await self._run_exact_allreduce(
+                    local_tensors, group_info, modes, weights, peer_fractions=fractions, **kwargs
+                )
+            my_index = group_info.peer_ids.index(self.peer_id)
+            return dict(
+                peers=[peer.to_base58() for peer in group_info.peer_ids],
+                weights=list(weights),
+                my_weight=weights[my_index],
+                failed_size=runner.failed_size,
+                screened=runner.screened_parts,
+            )
+        except AllreduceException:
+            raise
+        except BaseException as e:
+            raise AllreduceException(f"all-reduce failed: {e!r}") from e
+
+    async def _run_exact_allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        modes: Sequence[AveragingMode],
+        weights: Sequence[float],
+        **kwargs: Any,
+    ) -> ExactAllReduceRunner:
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_info.group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            modes=modes,
+            sender_weights=dict(zip(group_info.peer_ids, weights, strict=False)),
+            **kwargs,
+        )
+        self._running_groups[group_info.group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise AllreduceException("an auxiliary reducer received averaged tensors")
+            return runner
+        results = [averaged async for averaged in runner]
+        if runner.failed_size == 0:  # only a complete result replaces our inputs
+            async for tensor, averaged in azip(as_aiter(*tensors), as_aiter(*results)):
+                tensor.copy_(averaged)
+        return runner
+
+    async def _download_state(
+        self, future: MPFuture, exclude: list[str], min_step: int, max_elements: int, timeout: float
+    ) -> None:
+        try:
+            donors = await self._donors(set(exclude), min_step)
+            for donor, priority in donors:
+                try:
+                    meta, tensors = await asyncio.wait_for(self._download_from(donor, max_elements), timeout)
+                except Exception as e:
+                    self._log_donor_failure(donor, e)
+                    continue
+                future.set_result((donor.to_base58(), priority, meta, tensors))
+                return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _donors(self, exclude: set[str], min_step: int) -> list[tuple[PeerID, float]]:
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found = await self.dht.get(key, latest=True, return_future=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        donors = []
+        for raw_peer, item in entries.items():
+            try:
+                peer = PeerID(raw_peer)
+            except Exception:
+                continue
+            value = item.value if isinstance(item, ValueWithExpiration) else None
+            if not isinstance(value, int | float) or not np.isfinite(value) or value < min_step:
+                continue
+            if peer == self.peer_id or peer.to_base58() in exclude:
+                continue
+            donors.append((peer, float(value)))
+        random.shuffle(donors)  # equal claims are tried in random order; the caller verifies content
+        donors.sort(key=lambda pair: pair[1], reverse=True)
+        return donors
+
+    async def _download_from(self, donor: PeerID, max_elements: int) -> tuple[bytes, list[torch.Tensor]]:
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        meta: bytes | None = None
+        parts: list[Any] = []
+        tensors: list[torch.Tensor] = []
+        elements = 0
+        async for message in aiter_with_timeout(stream, timeout=self.request_timeout * 10):
+            if message.metadata and meta is None:
+                meta = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                elements += tensors[-1].numel()
+                parts = []
+            parts.append(message.tensor_part)
+            if elements > max_elements or len(parts) > 1_000_000:
+                raise ValueError("donor sent more data than our state can hold")
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(meta, bytes):
+            raise ValueError("donor sent no state metadata")
+        return meta, tensors
+
+    def _log_donor_failure(self, donor: PeerID, error: BaseException) -> None:
+        from hivemind.utils import get_logger
+
+        get_logger(__name__).info(f"state download from {donor} failed: {error!r}")
+
+
+def _decode_gathered(
+    serializer: Any, gathered: Sequence[bytes]
+) -> tuple[list[float | None], list[AveragingMode], list[dict[str, Any] | None]]:
+    """Each member's (bandwidth, mode, ticket); anything malformed becomes (None, CLIENT, None)."""
+    bandwidths: list[float | None] = []
+    modes: list[AveragingMode] = []
+    tickets: list[dict[str, Any] | None] = []
+    for blob in gathered:
+        bandwidth, mode, ticket = None, AveragingMode.CLIENT, None
+        try:
+            raw_bandwidth, raw_mode, user_bytes = serializer.loads(blob)
+            mode = AveragingMode(raw_mode)
+            if isinstance(raw_bandwidth, int | float) and np.isfinite(raw_bandwidth) and raw_bandwidth >= 0:
+                bandwidth = float(raw_bandwidth)
+            ticket = decode_ticket(serializer.loads(user_bytes))
+        except (ProtoError, Exception):
+            pass
+        bandwidths.append(bandwidth)
+        modes.append(mode)
+        tickets.append(ticket)
+    return bandwidths, modes, tickets
+
+
+def agree_weights(tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]) -> list[float]:
+    """Weight 1 for contributors whose (outer step, θ hash, size) is the group's most common; else 0.
+
+    Every member runs this on the same gathered data, so all reach the same answer. Ties go to the
+    smallest (step, hash) so that the choice does not depend on who computes it.
+    """
+    keys = [
+        (t["outer_step"], t["global_sha256"], t["num_params"])
+        if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX
+        else None
+        for t, mode in zip(tickets, modes, strict=False)
+    ]
+    counts = Counter(key for key in keys if key is not None)
+    if not counts:
+        return [0.0] * len(keys)
+    top = max(counts.values())
+    majority = min(key for key, count in counts.items() if count == top)
+    return [1.0 if key == majority else 0.0 for key in keys]

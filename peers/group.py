@@ -1,0 +1,187 @@
+"""The small async API the daemon uses to average with its group and to fetch state from peers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.averaging.matchmaking import MatchmakingException
+
+from peers.averager import RunAverager, StateProvider, round_group_bits
+from peers.errors import PeersError
+from peers.node import Node
+
+
+@dataclass(frozen=True)
+class AveragingOptions:
+    target_group_size: int = 8
+    min_group_size: int = 2
+    min_matchmaking_time: float = 3.0
+    matchmaking_timeout: float = 15.0
+    allreduce_timeout: float = 60.0
+    request_timeout: float = 3.0
+    mode: str = "node"  # "node": sends and reduces | "client": sends only (behind NAT) | "aux": reduces only
+    bandwidth: float | None = None  # relative download bandwidth, used to size each reducer's share
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one averaging attempt gave. `averaged` is set only when this peer may apply it."""
+
+    found_group: bool
+    group_size: int
+    contributors: int
+    in_majority: bool
+    complete: bool
+    averaged: list[torch.Tensor] | None
+    seconds: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DownloadedState:
+    donor: str
+    claimed_step: float
+    meta: bytes
+    tensors: list[torch.Tensor]
+
+
+class GroupAverager:
+    """Owns the averager process; every public method is safe to await from the daemon's loop."""
+
+    def __init__(
+        self,
+        node: Node,
+        template: Sequence[torch.Tensor],
+        options: AveragingOptions,
+        state_provider: StateProvider | None,
+    ) -> None:
+        self.node = node
+        self.options = options
+        self.num_elements = sum(t.numel() for t in template)
+        self._buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in template]
+        self._state_provider = state_provider
+        self._averager: RunAverager | None = None
+
+    def start(self) -> None:
+        """Fork the averager process (blocking; call from an executor)."""
+        opts = self.options
+        if opts.mode not in ("node", "client", "aux"):
+            raise PeersError(f"unknown averaging mode '{opts.mode}'")
+        self._averager = RunAverager(
+            self._buffers,
+            self.node.started,
+            start=True,
+            prefix=self.node.options.run_id,
+            target_group_size=opts.target_group_size,
+            min_group_size=opts.min_group_size,
+            min_matchmaking_time=opts.min_matchmaking_time,
+            request_timeout=opts.request_timeout,
+            allreduce_timeout=opts.allreduce_timeout,
+            next_chunk_timeout=max(opts.request_timeout, opts.allreduce_timeout / 4),
+            client_mode=opts.mode == "client",
+            auxiliary=opts.mode == "aux",
+            allow_state_sharing=opts.mode == "node" and self._state_provider is not None,
+            bandwidth=opts.bandwidth,
+            state_provider=self._state_provider,
+            declare_state_period=10,
+            shutdown_timeout=3,
+        )
+
+    @property
+    def averager(self) -> RunAverager:
+        if self._averager is None:
+            raise PeersError("the averager is not running")
+        return self._averager
+
+    def stop(self) -> None:
+        averager, self._averager = self._averager, None
+        if averager is None:
+            return
+        with contextlib.suppress(Exception):
+            averager.shutdown()
+        averager.join(timeout=5)
+        if averager.is_alive():
+            averager.kill()
+
+    def set_state_step(self, outer_step: int) -> None:
+        """Donors are ranked by the outer step they hold (verified by the downloader, not trusted)."""
+        self.averager.state_sharing_priority = float(outer_step)
+
+    async def average(self, round_index: int, ticket: bytes, tensors: Sequence[torch.Tensor]) -> RoundOutcome:
+        """Average `tensors` with the peers at the same round; never waits past the configured deadlines."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        averager = self.averager
+        with averager.get_tensors() as shared:
+            for buffer, tensor in zip(shared, tensors, strict=True):
+                buffer.copy_(tensor)
+        await loop.run_in_executor(None, averager.set_group_bits, round_group_bits(round_index))
+        control = await loop.run_in_executor(
+            None,
+            lambda: averager.step(
+                gather=ticket, timeout=self.options.matchmaking_timeout, allow_retries=True, wait=False
+            ),
+        )
+        budget = self.options.matchmaking_timeout + self.options.allreduce_timeout + 5.0
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
+        except TimeoutError:
+            control.cancel()
+            return _failed(loop.time() - started, "timed out", found_group=True)
+        except MatchmakingException as e:
+            return _failed(loop.time() - started, str(e), found_group="could not find a group" not in str(e))
+        except Exception as e:
+            message = str(e) or type(e).__name__
+            return _failed(
+                loop.time() - started, message, found_group="could not find a group" not in message
+            )
+        return self._outcome(result, loop.time() - started)
+
+    def _outcome(self, result: dict, seconds: float) -> RoundOutcome:
+        in_majority = float(result["my_weight"]) > 0
+        complete = int(result["failed_size"]) == 0
+        averaged = None
+        if in_majority and complete:
+            with self.averager.get_tensors() as shared:
+                averaged = [buffer.clone() for buffer in shared]
+        return RoundOutcome(
+            found_group=True,
+            group_size=len(result["peers"]),
+            contributors=int(sum(result["weights"])),
+            in_majority=in_majority,
+            complete=complete,
+            averaged=averaged,
+            seconds=seconds,
+        )
+
+    async def download_state(
+        self, *, exclude: Sequence[str], min_step: int, max_elements: int, timeout: float
+    ) -> DownloadedState | None:
+        future = self.averager.download_state(
+            exclude=exclude, min_step=min_step, max_elements=max_elements, timeout=timeout
+        )
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout * 3 + 5)
+        except TimeoutError:
+            return None
+        if result is None:
+            return None
+        donor, claimed, meta, tensors = result
+        return DownloadedState(donor=donor, claimed_step=claimed, meta=meta, tensors=list(tensors))
+
+
+def _failed(seconds: float, error: str, *, found_group: bool) -> RoundOutcome:
+    return RoundOutcome(
+        found_group=found_group,
+        group_size=0,
+        contributors=0,
+        in_majority=False,
+        complete=False,
+        averaged=None,
+        seconds=seconds,
+        error=error.split("\n")[0],
+    )

@@ -1,0 +1,184 @@
+"""One peer's presence in a run: its hivemind DHT (and the p2pd daemon under it) and its DHT records.
+
+Everything here is blocking hivemind calls wrapped for asyncio: the DHT lives in its own process with
+its own event loop, so our loop only ever waits on futures, never on sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+
+from peers.errors import PeersError
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How this peer joins the network. Plain values: the daemon builds it from its own config."""
+
+    run_id: str
+    initial_peers: tuple[str, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce: tuple[str, ...] = ()
+    identity_path: str | None = None
+    client_mode: bool = False
+    relay_service: bool = True  # serve as a circuit relay for peers behind NAT
+    auto_relay: bool = False  # look for relays when we are not reachable ourselves
+    reachability: str | None = None  # None = let AutoNAT decide; "public" | "private" forces it
+    startup_timeout: float = 60.0
+
+
+def parse_multiaddr(text: str, *, need_peer_id: bool = True) -> Multiaddr:
+    """Parse one multiaddr, raising PeersError with a one-line reason a user can act on."""
+    try:
+        maddr = Multiaddr(text)
+    except Exception as e:  # multiaddr raises several unrelated types
+        raise PeersError(f"bad multiaddr '{text}': {e}") from None
+    protocols = {proto.name for proto in maddr.protocols()}
+    if need_peer_id and "p2p" not in protocols:
+        raise PeersError(f"bad multiaddr '{text}': it must end with /p2p/<peer id> of the peer to dial")
+    if not protocols & {"ip4", "ip6", "dns", "dns4", "dns6"}:
+        raise PeersError(f"bad multiaddr '{text}': it names no host (/ip4/, /ip6/ or /dns/)")
+    if need_peer_id:
+        try:
+            PeerID.from_base58(maddr.value_for_protocol("p2p"))
+        except Exception:
+            raise PeersError(f"bad multiaddr '{text}': the /p2p/ part is not a valid peer id") from None
+    return maddr
+
+
+def _listen_maddr(host: str, port: int) -> str:
+    family = "ip6" if ":" in host else "ip4"
+    return f"/{family}/{host}/tcp/{port}"
+
+
+class Node:
+    """A started DHT node for one run. Keys it touches are all prefixed with the run id."""
+
+    def __init__(self, options: NodeOptions) -> None:
+        for text in options.initial_peers:
+            parse_multiaddr(text)
+        for text in options.announce:
+            parse_multiaddr(text, need_peer_id=False)
+        self.options = options
+        self.dht: hivemind.DHT | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the DHT process and p2pd; blocking (call it from an executor)."""
+        opts = self.options
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(opts.initial_peers),
+            host_maddrs=[_listen_maddr(opts.host, opts.port)],
+            client_mode=opts.client_mode,
+            use_relay=opts.relay_service,
+            use_auto_relay=opts.auto_relay,
+            # UPnP multicast leaves the machine and never helps on loopback or in test beds.
+            nat_port_map=False,
+            identity_path=opts.identity_path,
+            # A restarted peer must not wait to learn that its own old process is gone.
+            check_if_identity_free=False,
+            start=True,
+            await_ready=False,
+        )
+        if opts.announce:
+            kwargs["announce_maddrs"] = list(opts.announce)
+        if opts.reachability:
+            kwargs["force_reachability"] = opts.reachability
+        dht = hivemind.DHT(**kwargs)
+        self.dht = dht
+        try:
+            dht.wait_until_ready(timeout=opts.startup_timeout)
+        except Exception as e:
+            self.stop()
+            reason = str(e).split("\n")[0] or type(e).__name__
+            if "none of the initial_peers responded" in reason:
+                peers = ", ".join(opts.initial_peers)
+                reason = (
+                    f"none of the initial peers answered ({peers}); is the bootstrap running and reachable?"
+                )
+            raise PeersError(f"could not start the DHT node: {reason}") from None
+
+    def stop(self) -> None:
+        """Shut the DHT and its p2pd down, and make sure neither outlives us."""
+        dht, self.dht = self.dht, None
+        if dht is None:
+            return
+        with contextlib.suppress(Exception):
+            dht.shutdown()
+        dht.join(timeout=10)
+        if dht.is_alive():
+            _kill(dht.pid)
+
+    # ---- identity ---------------------------------------------------------------------------------
+    @property
+    def started(self) -> hivemind.DHT:
+        if self.dht is None:
+            raise PeersError("the DHT node is not running")
+        return self.dht
+
+    @property
+    def peer_id(self) -> str:
+        return self.started.peer_id.to_base58()
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.started.get_visible_maddrs()]
+
+    # ---- records ----------------------------------------------------------------------------------
+    def run_key(self, name: str) -> str:
+        return f"{self.options.run_id}.{name}"
+
+    async def publish(self, name: str, payload: bytes, ttl: float) -> bool:
+        """Store this peer's record under `<run>.<name>`, subkey = our peer id, for `ttl` seconds."""
+        future = self.started.store(
+            self.run_key(name),
+            subkey=self.peer_id,
+            value=payload,
+            expiration_time=get_dht_time() + ttl,
+            return_future=True,
+        )
+        return bool(await asyncio.wrap_future(future))
+
+    async def read_all(self, name: str) -> dict[str, Any]:
+        """All live subkey → raw value pairs under `<run>.<name>`; values are unvalidated stranger data."""
+        future = self.started.get(self.run_key(name), latest=True, return_future=True)
+        found = await asyncio.wrap_future(future)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        records: dict[str, Any] = {}
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            records[str(subkey)] = value
+        return records
+
+    async def peers_connected(self) -> int:
+        """How many DHT peers our routing table knows (cheap liveness signal for the UI)."""
+
+        async def _count(_dht: Any, node: Any) -> int:
+            return len(node.protocol.routing_table.peer_id_to_uid)
+
+        future = self.started.run_coroutine(_count, return_future=True)
+        return int(await asyncio.wrap_future(future))
+
+
+def _kill(pid: int | None) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def first_public_maddrs(maddrs: Sequence[str]) -> list[str]:
+    """Addresses worth printing to a user: drop the in-process ones p2pd reports for relays/loopback."""
+    return [m for m in maddrs if "/p2p-circuit" not in m]

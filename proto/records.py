@@ -1,0 +1,131 @@
+"""The concrete wire messages of dilocod (all at version 1).
+
+See docs/protocol.md for the protocol these messages belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from proto.schema import Field, Schema, decode, encode
+
+_SHA256 = Field("global_sha256", "hex", min=64, max=64)
+
+STATUS = Schema(
+    name="dilocod.status",
+    version=1,
+    max_bytes=4096,
+    fields=(
+        Field("peer_id", "str", min=1, max=128),
+        Field("run_id", "str", min=1, max=64),
+        Field("role", "str", choices=("peer", "bootstrap", "helper")),
+        Field("reachability", "str", choices=("public", "private", "unknown")),
+        Field("outer_step", "int", min=0),
+        Field("inner_step", "int", min=0),
+        Field("loss", "float", optional=True, allow_nan=True),
+        Field("eval_loss", "float", optional=True, allow_nan=True),
+        Field("tokens_per_second", "float", min=0),
+        _SHA256,
+        Field("group_size", "int", min=0, max=4096),
+        Field("alone", "bool"),
+        Field("last_round_seconds", "float", optional=True, min=0),
+        Field("rounds_ok", "int", min=0),
+        Field("rounds_failed", "int", min=0),
+        Field("time", "float", min=0),
+        Field("version", "str", min=1, max=32),
+        Field("maddrs", "list_str", max=16, item_max=256),
+    ),
+)
+"""A peer's status, published by every daemon in the DHT every few seconds.
+
+Read by other peers (to see who is alive, ahead, or diverged) and by monitoring tools. It is
+advisory: anything a peer claims here can be a lie, so decisions that matter for training are made
+on data checked later (the round ticket, the state download's hash), never on this record alone.
+
+- peer_id: the libp2p peer id of the sender, so readers can dial it and dedupe records.
+- run_id: the training run; records of other runs sharing the DHT are ignored.
+- role: what the sender does in the run: a training "peer", a "bootstrap" node, or a "helper".
+- reachability: whether others can dial the sender directly ("private" needs a relay).
+- outer_step / inner_step: progress; outer steps are DiLoCo rounds, inner steps local optimizer steps.
+- loss / eval_loss: latest training / evaluation loss; absent before the first value, NaN if it diverged.
+- tokens_per_second: local throughput, used to size groups and shown in the UI.
+- global_sha256: hash of the sender's global (outer) parameters, to spot peers that drifted apart.
+- group_size: members in the sender's last averaging group (0 if none yet).
+- alone: true when the sender's last round found no partner and it applied its own update.
+- last_round_seconds: wall time of the last averaging round; absent before the first.
+- rounds_ok / rounds_failed: counts of averaging rounds that completed / failed.
+- time: sender's unix time when the record was made, so readers can drop stale records.
+- version: dilocod software version of the sender.
+- maddrs: multiaddresses the sender listens on.
+"""
+
+ROUND_TICKET = Schema(
+    name="dilocod.ticket",
+    version=1,
+    max_bytes=512,
+    fields=(
+        Field("outer_step", "int", min=0),
+        _SHA256,
+        Field("num_params", "int", min=0),
+        Field("role", "str", choices=("peer", "helper")),
+    ),
+)
+"""Sent by each member of a forming averaging group to all the others (all-gather) during matchmaking.
+
+Every member sees the same set of tickets and applies the same deterministic rule to them, so all
+members decide the same way (who averages with whom) without another round of messages.
+
+- outer_step: the round the sender is about to average; members at different steps must not mix.
+- global_sha256: hash of the sender's global parameters; members must start from identical weights.
+- num_params: the sender's parameter count; compared for equality, a cheap check that all members
+  train the same model.
+- role: "peer" for a training member, "helper" for a member that only helps with averaging.
+"""
+
+STATE_META = Schema(
+    name="dilocod.state",
+    version=1,
+    max_bytes=2048,
+    fields=(
+        Field("outer_step", "int", min=0),
+        _SHA256,
+        Field("num_tensors", "int", min=0, max=100_000),
+        Field("param_count", "int", min=0, max=2**40),
+        Field("time", "float", min=0),
+    ),
+)
+"""Metadata sent first by a peer serving a state download to a peer that joins or fell behind.
+
+The receiver uses it to know what it is about to get and to check it once the tensors arrived.
+
+- outer_step: the round the state belongs to; the joiner resumes from there.
+- global_sha256: hash of the global parameters, checked by the receiver after loading them.
+- num_tensors: how many tensors follow (parameters then optimizer buffers), to bound the download.
+- param_count: how many of those tensors are parameters; the rest are outer-optimizer buffers.
+- time: sender's unix time when the snapshot was taken.
+"""
+
+
+def encode_status(record: Mapping[str, Any]) -> bytes:
+    return encode(STATUS, record)
+
+
+def decode_status(data: bytes) -> dict[str, Any]:
+    return decode(STATUS, data)
+
+
+def encode_ticket(record: Mapping[str, Any]) -> bytes:
+    return encode(ROUND_TICKET, record)
+
+
+def decode_ticket(data: bytes) -> dict[str, Any]:
+    return decode(ROUND_TICKET, data)
+
+
+def encode_state_meta(record: Mapping[str, Any]) -> bytes:
+    return encode(STATE_META, record)
+
+
+def decode_state_meta(data: bytes) -> dict[str, Any]:
+    return decode(STATE_META, data)
