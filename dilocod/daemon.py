@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dilocod.checkpoint import load_checkpoint, save_checkpoint
+from dilocod.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.http import HttpServer
@@ -103,33 +103,35 @@ class PeerDaemon:
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         # The data order is tied to our persistent identity, so it survives restarts.
-        self.trainer = InnerTrainer(
-            cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=self._peer_key()
-        )
-        self.outer = OuterOptimizer(self.trainer.working_params_fp32(), cfg.outer)
+        trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=self._peer_key())
+        outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
         if checkpoint is not None:
-            self._restore(checkpoint)
+            try:
+                self._restore(checkpoint, trainer, outer)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                path = self.args.run_dir / "checkpoint.pt"
+                reason = str(e).split("\n")[0]
+                raise CheckpointError(f"checkpoint {path} cannot be resumed: {reason}") from None
+        # Only now: a daemon that failed to restore must not overwrite the checkpoint at shutdown.
+        self.trainer, self.outer = trainer, outer
         self._sync_state_counters()
 
-    def _restore(self, checkpoint: dict[str, Any]) -> None:
-        assert self.trainer is not None and self.outer is not None
+    def _restore(self, checkpoint: dict[str, Any], trainer: InnerTrainer, outer: OuterOptimizer) -> None:
         if checkpoint.get("run_id") != self.cfg.run.id or checkpoint.get("preset") != self.cfg.model.preset:
             raise ValueError(
                 f"checkpoint in {self.args.run_dir} belongs to run '{checkpoint.get('run_id')}' "
                 f"(preset {checkpoint.get('preset')}), not '{self.cfg.run.id}' ({self.cfg.model.preset}); "
                 "use another --run-dir"
             )
-        outer = checkpoint["outer"]
-        self.outer.load_state(int(outer["step"]), [*outer["params"], *outer["momentum"]])
-        self.trainer.load_state_dict(checkpoint["trainer"])
+        saved = checkpoint["outer"]
+        outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"]])
+        trainer.load_state_dict(checkpoint["trainer"])
         counters = checkpoint.get("counters", {})
         self.state.round_steps = int(counters.get("round_steps", 0))
         self.state.rounds_ok = int(counters.get("rounds_ok", 0))
         self.state.rounds_failed = int(counters.get("rounds_failed", 0))
         self.state.resyncs = int(counters.get("resyncs", 0))
-        log.info(
-            "resumed from checkpoint at outer step %d, inner step %d", self.outer.step, self.trainer.step
-        )
+        log.info("resumed from checkpoint at outer step %d, inner step %d", outer.step, trainer.step)
 
     def _peer_key(self) -> str:
         """A stable per-identity key for data sharding, known before the DHT starts."""

@@ -20,6 +20,8 @@ class RoundRecord:
     group_size: int
     seconds: float
     global_sha256: str
+    loss: float | None = None  # mean train loss of the inner steps that fed this round
+    eval_loss: float | None = None  # held-out loss of the θ_global this round produced
     time: float = field(default_factory=time.time)
 
 

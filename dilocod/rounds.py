@@ -120,11 +120,12 @@ class RoundKeeper:
         self.state.rounds_ok += 1
         self.metrics.rounds.labels(result=result).inc()
         self.metrics.group_size.set(group_size)
-        self._record(result, group_size, seconds)
         self._after_new_global()
+        evaluated = None
         if self.outer.step % self.cfg.trainer.eval_every == 0:
-            self.state.eval_loss = await self._in_trainer(self.trainer.evaluate)
-            self.metrics.eval_loss.set(self.state.eval_loss)
+            evaluated = self.state.eval_loss = await self._in_trainer(self.trainer.evaluate)
+            self.metrics.eval_loss.set(evaluated)
+        self._record(result, group_size, seconds, evaluated)
         log.info(
             "outer step %d: %s, group of %d, loss %.4f, eval %s, %.0f tokens/s, round %.1fs, θ %s",
             self.outer.step, result, group_size, self.state.loss,
@@ -142,9 +143,12 @@ class RoundKeeper:
         self.metrics.rounds.labels(result=result).inc()
         self._record(result, group_size, seconds)
 
-    def _record(self, result: str, group_size: int, seconds: float) -> None:
+    def _record(self, result: str, group_size: int, seconds: float, eval_loss: float | None = None) -> None:
+        loss = self.state.loss if result in ("ok", "alone") else None
         self.state.history.append(
-            RoundRecord(self.outer.step, result, group_size, round(seconds, 3), self.outer.sha256)
+            RoundRecord(
+                self.outer.step, result, group_size, round(seconds, 3), self.outer.sha256, loss, eval_loss
+            )
         )
 
     def _after_new_global(self) -> None:

@@ -1,0 +1,29 @@
+"""Shared fixtures. Multi-process tests use `swarm`, which always reaps every process it started."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import FAST, Swarm
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Callable[..., Swarm]]:
+    """`swarm(n)`: a bootstrap plus n peers (tiny preset, fast settings), started through the CLI."""
+    made: list[Swarm] = []
+
+    def make(n: int, *extra: str, bootstrap: bool = True) -> Swarm:
+        s = Swarm(tmp_path / f"swarm-{len(made)}", overrides=(*FAST, *extra))
+        made.append(s)
+        if bootstrap:
+            s.start_bootstrap()
+        for _ in range(n):
+            s.add_peer()
+        return s
+
+    yield make
+    for s in made:
+        s.close()

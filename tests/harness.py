@@ -1,0 +1,201 @@
+"""The one harness for multi-process tests: a bootstrap and peers started through the real CLI.
+
+Every process gets its own session (process group) so that reaping it also reaps what it spawned
+(hivemind's DHT and averager processes, p2pd). `Swarm.close` always runs, from the fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+# A tiny, fast configuration: H=5 inner steps of 8×64 tokens, short deadlines, frequent status records.
+FAST = (
+    "trainer.inner_steps=5",
+    "trainer.batch_size=8",
+    "trainer.seq_len=64",
+    "trainer.warmup_steps=5",
+    "trainer.eval_batches=2",
+    "trainer.threads=1",
+    "averaging.min_matchmaking_time=1.5",
+    "averaging.matchmaking_timeout=8",
+    "averaging.allreduce_timeout=20",
+    "averaging.state_timeout=20",
+    "net.status_interval=1",
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout: float = 3.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def get_text(url: str, timeout: float = 3.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
+    """Poll `probe` until it returns something truthy; fail the test with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = probe()
+            if value:
+                return value
+        except Exception as e:  # the process may not be serving yet
+            last_error = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error!r})")
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    log: Path
+    http_port: int | None
+    run_dir: Path | None = None
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "dilocod", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def status(self) -> dict[str, Any]:
+        return dict(get_json(f"http://127.0.0.1:{self.http_port}/api/status"))
+
+    def signal(self, signum: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout=timeout)
+
+    def reap(self) -> None:
+        """Kill the whole process group (p2pd and hivemind children included)."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Swarm:
+    root: Path
+    overrides: tuple[str, ...] = FAST
+    bootstrap: Proc | None = None
+    maddr: str = ""
+    peers: list[Proc] = field(default_factory=list)
+
+    def start_bootstrap(self, run_id: str = "dilocod") -> str:
+        maddr_file = self.root / "bootstrap.maddr"
+        port = free_port()
+        self.bootstrap = Proc(
+            "bootstrap",
+            ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
+             "--http-port", str(port), "--run-id", run_id, "--maddr-file", str(maddr_file)],
+            self.root / "bootstrap.log",
+            port,
+        )  # fmt: skip
+        self.bootstrap.start()
+        text = wait_for(
+            "the bootstrap's maddr file", lambda: maddr_file.exists() and maddr_file.read_text(), 60
+        )
+        self.maddr = text.split()[0]
+        return self.maddr
+
+    def add_peer(self, *extra: str, start: bool = True) -> Proc:
+        index = len(self.peers)
+        run_dir = self.root / f"peer-{index}"
+        port = free_port()
+        sets = [item for o in (*self.overrides, *extra) for item in ("--set", o)]
+        initial = [self.maddr] if self.maddr else []
+        peer = Proc(
+            f"peer-{index}",
+            ["join", *initial, "--config", str(REPO / "configs" / "tiny.toml"), "--run-dir", str(run_dir),
+             "--host", "127.0.0.1", "--http-port", str(port), *sets],
+            run_dir / "console.log",
+            port,
+            run_dir,
+        )  # fmt: skip
+        self.peers.append(peer)
+        if start:
+            peer.start()
+        return peer
+
+    def wait_serving(self, proc: Proc, timeout: float = 90) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            assert proc.alive, f"{proc.name} exited:\n{proc.output()[-3000:]}"
+            status = proc.status()
+            return status if status.get("phase") != "starting" else None
+
+        return wait_for(f"{proc.name} to serve /api/status", probe, timeout)
+
+    def wait_all_at(self, step: int, timeout: float, peers: list[Proc] | None = None) -> list[dict[str, Any]]:
+        group = peers if peers is not None else self.peers
+
+        def probe() -> list[dict[str, Any]] | None:
+            for proc in group:
+                assert proc.alive, f"{proc.name} exited:\n{proc.output()[-3000:]}"
+            statuses = [proc.status() for proc in group]
+            return statuses if all(s["outer_step"] >= step for s in statuses) else None
+
+        return wait_for(f"all peers at outer step {step}", probe, timeout)
+
+    def close(self) -> None:
+        procs = [*self.peers, *([self.bootstrap] if self.bootstrap else [])]
+        for proc in procs:
+            if proc.alive:
+                proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in procs:
+            if proc.popen is not None:
+                try:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for proc in procs:
+            proc.reap()

@@ -1,0 +1,115 @@
+"""Integration: a real bootstrap and real peers (separate processes, real DHT and p2pd) on loopback."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.harness import Swarm, get_json, get_text, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _ok_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
+    """outer step → the θ_global hashes the peers report having after it."""
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for status in statuses:
+        for entry in status["rounds"]:
+            if entry["result"] in ("ok", "resynced"):
+                by_step[entry["outer_step"]].add(entry["global_sha256"])
+    return by_step
+
+
+def _ok_counts(statuses: list[dict[str, Any]]) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for status in statuses:
+        for entry in status["rounds"]:
+            if entry["result"] == "ok":
+                counts[entry["outer_step"]] += 1
+    return counts
+
+
+def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(3)
+    statuses = s.wait_all_at(3, timeout=240)
+
+    # Every peer that reports a given outer step holds the same θ_global bits.
+    hashes = _ok_hashes(statuses)
+    for step, found in hashes.items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
+    counts = _ok_counts(statuses)
+    assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"
+    assert all(status["group_size"] >= 2 for status in statuses)
+
+    # Loss falls: the first averaged round's train loss vs the latest eval/train loss.
+    history = statuses[0]["rounds"]
+    first_loss = next(e["loss"] for e in history if e["loss"] is not None)
+    assert first_loss > statuses[0]["loss"], (first_loss, statuses[0]["loss"])
+    evals = [e["eval_loss"] for e in history if e["eval_loss"] is not None]
+    assert evals[-1] < evals[0] < math.log(256) + 0.5, evals
+
+    # The bootstrap sees the whole run.
+    assert s.bootstrap is not None
+    run = wait_for(
+        "the bootstrap to list 3 peers",
+        lambda: (r := get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")) and len(r) == 3 and r,
+        30,
+    )
+    assert {p["peer_id"] for p in run} == {st["peer_id"] for st in statuses}
+
+    # SIGTERM: exit 0 with a checkpoint, quickly.
+    leaver = s.peers[2]
+    before = leaver.status()
+    started = time.monotonic()
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(timeout=30) == 0
+    assert time.monotonic() - started < 30
+    assert leaver.run_dir is not None and (leaver.run_dir / "checkpoint.pt").exists()
+
+    # Restart: it resumes from its own step (not from scratch) and rejoins the others.
+    leaver.start()
+    resumed = s.wait_serving(leaver)
+    assert resumed["inner_step"] >= before["inner_step"]
+    assert resumed["outer_step"] >= before["outer_step"]
+    assert "resumed from checkpoint" in leaver.output()
+    target = max(st["outer_step"] for st in (p.status() for p in s.peers)) + 2
+    final = s.wait_all_at(target, timeout=180)
+    for step, found in _ok_hashes(final).items():
+        assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"
+
+
+def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(1, "averaging.min_matchmaking_time=1", "averaging.matchmaking_timeout=3")
+    status = s.wait_all_at(2, timeout=120)[0]
+    assert status["alone"] is True
+    assert status["group_size"] == 1
+    assert [e["result"] for e in status["rounds"]][-1] == "alone"
+
+    # A stranger writes garbage under the run's status key: readers drop and count it, nobody crashes.
+    import hivemind
+
+    dht = hivemind.DHT(initial_peers=[s.maddr], start=True, client_mode=True)
+    try:
+        dht.store("dilocod.status", subkey="mallory", value=b"\x93garbage", expiration_time=time.time() + 60)
+        dht.store("dilocod.status", subkey="eve", value={"not": "bytes"}, expiration_time=time.time() + 60)
+        assert s.bootstrap is not None
+        port = s.bootstrap.http_port
+
+        def counted() -> bool:
+            metrics = get_text(f"http://127.0.0.1:{port}/metrics")
+            line = next(x for x in metrics.splitlines() if x.startswith("dilocod_invalid_records_total"))
+            return float(line.split()[-1]) >= 2
+
+        wait_for("the bootstrap to count the bad records", counted, 30)
+        run = get_json(f"http://127.0.0.1:{port}/api/run")
+        assert [p["peer_id"] for p in run] == [status["peer_id"]]
+        later = s.wait_all_at(status["outer_step"] + 1, timeout=60)[0]
+        assert later["peer_id"] == status["peer_id"]
+    finally:
+        dht.shutdown()
