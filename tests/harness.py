@@ -6,6 +6,7 @@ Every process gets its own session (process group) so that reaping it also reaps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,14 +110,10 @@ class Proc:
         """Kill the whole process group (p2pd and hivemind children included)."""
         if self.popen is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -193,9 +190,7 @@ class Swarm:
         deadline = time.monotonic() + 20
         for proc in procs:
             if proc.popen is not None:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
         for proc in procs:
             proc.reap()
