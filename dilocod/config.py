@@ -49,10 +49,10 @@ class AveragingConfig:
 
     group_size: int = 8  # target group size; groups form with fewer when fewer peers are ready
     min_group_size: int = 2
-    min_matchmaking_time: float = 3.0  # how long a group's leader waits for more peers to join
+    min_matchmaking_time: float = 5.0  # how long a group's leader waits for more peers to join
     matchmaking_timeout: float = 15.0  # give up looking for a group after this long
     allreduce_timeout: float = 60.0  # give up a started all-reduce after this long
-    request_timeout: float = 3.0
+    request_timeout: float = 3.0  # one matchmaking request; keep it below min_matchmaking_time
     state_timeout: float = 60.0  # one state download (re-sync) attempt
 
     def validate(self) -> None:

@@ -209,7 +209,9 @@ class PeerDaemon:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
         if not task.done():
-            done, _ = await asyncio.wait({task}, timeout=grace)
+            # Still matchmaking: leave at once. Exchanging tensors: finish serving our parts first.
+            in_allreduce = self.group is not None and self.group.in_allreduce
+            done, _ = await asyncio.wait({task}, timeout=grace if in_allreduce else 0.0)
             if not done:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

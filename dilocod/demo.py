@@ -107,8 +107,8 @@ class Swarm:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):  # peers first, the bootstrap last
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+            if proc.poll() is None:  # the main process only: it shuts its own p2pd down in order
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

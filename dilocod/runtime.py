@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
+
+REPEAT_IS_ECHO_SECONDS = 2.0
 
 
 def run_main(main: Coroutine[Any, Any, int]) -> int:
@@ -23,12 +27,17 @@ def run_main(main: Coroutine[Any, Any, int]) -> int:
 def install_stop_signals(stop: asyncio.Event) -> None:
     """SIGINT/SIGTERM set `stop`; a second signal while stopping exits at once."""
     loop = asyncio.get_running_loop()
+    first: list[float] = []
 
     def _on_signal(signum: int) -> None:
-        if stop.is_set():
+        # A signal sent to our whole process group reaches our hivemind children too, and they report it
+        # through the same wakeup fd: repeats within a moment are that echo, not a user insisting.
+        if first and time.monotonic() - first[0] > REPEAT_IS_ECHO_SECONDS:
             logging.getLogger("dilocod").warning("second signal: exiting without cleanup")
-            sys.exit(130)
-        logging.getLogger("dilocod").info("received %s, shutting down", signal.Signals(signum).name)
+            os._exit(130)
+        if not first:
+            first.append(time.monotonic())
+            logging.getLogger("dilocod").info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -41,11 +41,15 @@ class SafeDivisionReducer(TensorPartReducer):
 class ExactAllReduceRunner(AllReduceRunner):
     """All-reduce that yields averaged tensors (not deltas) with agreed, sender-independent weights."""
 
+    tensor_part_reducer: TensorPartReducer
+
     def __init__(self, *, sender_weights: dict[PeerID, float], **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
+        # The stock reducer built by super() is never used; mark it finished so it does not log on deletion.
+        self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = SafeDivisionReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from peers.averager import RunAverager, StateProvider, round_group_bits
@@ -65,6 +66,7 @@ class GroupAverager:
         self._buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in template]
         self._state_provider = state_provider
         self._averager: RunAverager | None = None
+        self._control: StepControl | None = None
 
     def start(self) -> None:
         """Fork the averager process (blocking; call from an executor)."""
@@ -107,6 +109,14 @@ class GroupAverager:
         if averager.is_alive():
             averager.kill()
 
+    @property
+    def in_allreduce(self) -> bool:
+        """True while tensors are being exchanged: leaving now would cost the group its parts."""
+        control = self._control
+        return (
+            control is not None and not control.done() and control.stage == AveragingStage.RUNNING_ALLREDUCE
+        )
+
     def set_state_step(self, outer_step: int) -> None:
         """Donors are ranked by the outer step they hold (verified by the downloader, not trusted)."""
         self.averager.state_sharing_priority = float(outer_step)
@@ -126,6 +136,7 @@ class GroupAverager:
                 gather=ticket, timeout=self.options.matchmaking_timeout, allow_retries=True, wait=False
             ),
         )
+        self._control = control
         budget = self.options.matchmaking_timeout + self.options.allreduce_timeout + 5.0
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)

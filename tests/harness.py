@@ -32,6 +32,7 @@ FAST = (
     "trainer.eval_batches=2",
     "trainer.threads=1",
     "averaging.min_matchmaking_time=1.5",
+    "averaging.request_timeout=1",
     "averaging.matchmaking_timeout=8",
     "averaging.allreduce_timeout=20",
     "averaging.state_timeout=20",
@@ -138,9 +139,11 @@ class Swarm:
             port,
         )  # fmt: skip
         self.bootstrap.start()
-        text = wait_for(
-            "the bootstrap's maddr file", lambda: maddr_file.exists() and maddr_file.read_text(), 60
-        )
+
+        def maddrs() -> str | None:
+            return maddr_file.read_text() if maddr_file.exists() else None
+
+        text = wait_for("the bootstrap's maddr file", maddrs, 60)
         self.maddr = text.split()[0]
         return self.maddr
 

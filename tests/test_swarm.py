@@ -56,10 +56,9 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
 
     # The bootstrap sees the whole run.
     assert s.bootstrap is not None
+    run_url = f"http://127.0.0.1:{s.bootstrap.http_port}/api/run"
     run = wait_for(
-        "the bootstrap to list 3 peers",
-        lambda: (r := get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")) and len(r) == 3 and r,
-        30,
+        "the bootstrap to list 3 peers", lambda: (r := get_json(run_url)) and len(r) == 3 and r, 30
     )
     assert {p["peer_id"] for p in run} == {st["peer_id"] for st in statuses}
 

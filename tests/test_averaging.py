@@ -1,0 +1,132 @@
+"""The networking layer's averaging, with real DHTs, p2pd daemons and averager processes (in-process API)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+
+from peers.averager import agree_weights
+from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.node import Node, NodeOptions
+from proto import encode_ticket
+
+SHAPES = [(300_000,), (17, 3)]  # > one 512 KiB part, so several reducers share the work
+SHA_A, SHA_B = "a" * 64, "b" * 64
+NUM = sum(torch.Size(s).numel() for s in SHAPES)
+
+
+def ticket(step: int, sha: str, role: str = "peer", num: int = NUM) -> dict[str, object]:
+    return {"outer_step": step, "global_sha256": sha, "num_params": num, "role": role}
+
+
+def test_agree_weights_majority_ties_and_invalid() -> None:
+    node = AveragingMode.NODE
+    assert agree_weights([ticket(1, SHA_A), ticket(1, SHA_A), ticket(1, SHA_B)], [node] * 3) == [
+        1.0,
+        1.0,
+        0.0,
+    ]
+    # a tie goes to the smallest (step, hash), whoever computes it
+    assert agree_weights([ticket(1, SHA_B), ticket(1, SHA_A)], [node] * 2) == [0.0, 1.0]
+    # invalid tickets, helpers and auxiliary reducers never count
+    weights = agree_weights(
+        [None, ticket(1, SHA_A, role="helper"), ticket(1, SHA_A), ticket(1, SHA_A)],
+        [node, node, node, AveragingMode.AUX],
+    )
+    assert weights == [0.0, 0.0, 1.0, 0.0]
+    assert agree_weights([None, None], [node, node]) == [0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def trio() -> Iterator[list[GroupAverager]]:
+    nodes: list[Node] = []
+    groups: list[GroupAverager] = []
+    try:
+        for _i in range(3):
+            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
+            node = Node(NodeOptions(run_id="avgtest", initial_peers=initial, host="127.0.0.1"))
+            node.start()
+            nodes.append(node)
+        options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+        for node in nodes:
+            group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], options, state_provider=None)
+            group.start()
+            groups.append(group)
+        yield groups
+    finally:
+        for group in groups:
+            group.stop()
+        for node in nodes:
+            node.stop()
+
+
+def run_round(groups: list[GroupAverager], step: int, tickets: list[bytes], inputs: list[list[torch.Tensor]]):
+    async def together() -> list[RoundOutcome]:
+        return list(
+            await asyncio.gather(
+                *(g.average(step, t, x) for g, t, x in zip(groups, tickets, inputs, strict=True))
+            )
+        )
+
+    return asyncio.run(together())
+
+
+def random_inputs(seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(3)]
+
+
+def assert_same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverager]) -> None:
+    groups = trio
+    inputs = random_inputs(0)
+    outcomes = run_round(groups, 0, [encode_ticket(ticket(0, SHA_A))] * 3, inputs)
+    assert all(o.found_group and o.complete and o.in_majority for o in outcomes), outcomes
+    assert all(o.group_size == 3 and o.contributors == 3 for o in outcomes)
+    results = [o.averaged for o in outcomes]
+    assert all(r is not None for r in results)
+    assert_same_bits(results[0], results[1])  # type: ignore[arg-type]
+    assert_same_bits(results[0], results[2])  # type: ignore[arg-type]
+    expected = [(a + b + c) / 3 for a, b, c in zip(*inputs, strict=True)]
+    for got, want in zip(results[0], expected, strict=True):  # type: ignore[arg-type]
+        torch.testing.assert_close(got, want)
+
+    # Round 1: peer 2 holds another θ_global. It takes part but does not count, and is told so.
+    inputs = random_inputs(1)
+    tickets = [encode_ticket(ticket(1, SHA_A))] * 2 + [encode_ticket(ticket(1, SHA_B))]
+    outcomes = run_round(groups, 1, tickets, inputs)
+    assert [o.in_majority for o in outcomes] == [True, True, False]
+    assert outcomes[2].averaged is None
+    assert outcomes[0].contributors == 2
+    assert outcomes[0].averaged is not None and outcomes[1].averaged is not None
+    assert_same_bits(outcomes[0].averaged, outcomes[1].averaged)
+    for got, a, b in zip(outcomes[0].averaged, inputs[0], inputs[1], strict=True):
+        torch.testing.assert_close(got, (a + b) / 2)
+
+
+def test_non_finite_contribution_is_screened_out(trio: list[GroupAverager]) -> None:
+    inputs = random_inputs(2)
+    inputs[1][0][5] = float("nan")  # peer 1 poisons one element of its first tensor
+    inputs[1][1][0, 0] = float("inf")
+    outcomes = run_round(trio, 2, [encode_ticket(ticket(2, SHA_A))] * 3, inputs)
+    assert all(o.averaged is not None for o in outcomes), outcomes
+    results = [o.averaged for o in outcomes]
+    for result in results:
+        assert all(bool(torch.isfinite(t).all()) for t in result)  # type: ignore[union-attr]
+    assert_same_bits(results[0], results[1])  # type: ignore[arg-type]
+    assert_same_bits(results[0], results[2])  # type: ignore[arg-type]
+    # element 5 lies in a part where peer 1 was dropped: the mean of the two others
+    torch.testing.assert_close(results[0][0][5], (inputs[0][0][5] + inputs[2][0][5]) / 2)  # type: ignore[index]
+
+
+def test_no_group_returns_quickly_when_alone(trio: list[GroupAverager]) -> None:
+    outcome = run_round(trio[:1], 99, [encode_ticket(ticket(99, SHA_A))], [random_inputs(3)[0]])[0]
+    assert not outcome.found_group and outcome.averaged is None
+    assert outcome.seconds < 15.0 + 10.0
