@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,8 +50,14 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     try:
         # weights_only: a checkpoint file must never be able to run code.
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises turning weights_only off, which would run whatever the file holds.
+        reason = "not a dilocod checkpoint, or it holds objects other than tensors and plain data"
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable ({reason}); move it away to start fresh"
+        ) from None
     except Exception as e:
-        reason = str(e).strip().split("\n")[0][:200] or type(e).__name__
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().split("\n")[0][:200] or type(e).__name__
         raise CheckpointError(
             f"checkpoint {path} is unreadable ({reason}); move it away to start fresh"
         ) from None

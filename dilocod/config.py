@@ -60,6 +60,11 @@ class AveragingConfig:
             raise ValueError(f"averaging.group_size must be >= 1, got {self.group_size}")
         if self.min_group_size < 2:
             raise ValueError(f"averaging.min_group_size must be >= 2, got {self.min_group_size}")
+        if self.group_size < self.min_group_size:
+            raise ValueError(
+                "averaging.group_size must be >= averaging.min_group_size "
+                f"({self.group_size} < {self.min_group_size})"
+            )
         for name in ("min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout", "request_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be > 0, got {getattr(self, name)}")

@@ -236,7 +236,8 @@ class PeerDaemon:
         if self.node is not None:
             await loop.run_in_executor(None, self.node.stop)
         self.train_pool.shutdown(wait=True, cancel_futures=True)
-        log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
+        if self.node is not None:  # a daemon that never started says nothing more than its error
+            log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
 
     # ---- training ------------------------------------------------------------------------------------
     async def train(self, steps: int) -> StepStats:

@@ -212,7 +212,7 @@ class RoundKeeper:
             return f"it is at outer step {meta['outer_step']}, we need {min_step}"
         if len(tensors) != 2 * n or meta["param_count"] != n:
             return f"expected {2 * n} tensors, got {len(tensors)}"
-        for own, new in zip(self.outer.state_tensors(), tensors, strict=False):
+        for own, new in zip(self.outer.state_tensors(), tensors):
             if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
                 return "a tensor has the wrong shape, dtype or non-finite values"
         actual = global_sha256(tensors[:n])

@@ -72,10 +72,7 @@ class RunAverager(DecentralizedAverager):
             weights = agree_weights(tickets, modes)
             if not any(weights):
                 raise AllreduceException("no member of the group holds a valid ticket")
-            download = [
-                bw if mode != AveragingMode.CLIENT else 0.0
-                for bw, mode in zip(bandwidths, modes, strict=False)
-            ]
+            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes)]
             fractions = await asyncio.get_running_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download, min_vector_size
             )
@@ -113,7 +110,7 @@ class RunAverager(DecentralizedAverager):
             group_id=group_info.group_id,
             ordered_peer_ids=group_info.peer_ids,
             modes=modes,
-            sender_weights=dict(zip(group_info.peer_ids, weights, strict=False)),
+            sender_weights=dict(zip(group_info.peer_ids, weights)),
             **kwargs,
         )
         self._running_groups[group_info.group_id].set_result(runner)
@@ -226,7 +223,7 @@ def agree_weights(tickets: Sequence[dict[str, Any] | None], modes: Sequence[Aver
         (t["outer_step"], t["global_sha256"], t["num_params"])
         if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX
         else None
-        for t, mode in zip(tickets, modes, strict=False)
+        for t, mode in zip(tickets, modes)
     ]
     counts = Counter(key for key in keys if key is not None)
     if not counts:

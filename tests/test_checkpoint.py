@@ -289,11 +289,6 @@ def test_os_system_payload_in_a_plain_pickle_is_not_executed(tmp_path: Path) -> 
     assert not marker.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the reason is torch's first line cut at 200 characters: for a garbage file it says to re-run "
-    "with weights_only=False (its code-execution warning cut off); for an unsafe one it holds ANSI escapes",
-)
 @pytest.mark.parametrize("kind", ["garbage", "unsafe"])
 def test_refusal_reason_neither_advises_disabling_weights_only_nor_holds_escapes(
     tmp_path: Path, kind: str

@@ -102,11 +102,6 @@ def test_garbage_checkpoint_is_left_untouched_and_nothing_started(
     assert {p.name for p in run_dir.iterdir()} <= {FILENAME, "dilocod.log"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PeerDaemon.run's finally: shutdown() logs 'stopped at outer step 0' to stderr for a daemon that "
-    "never started, so the error is not the only line",
-)
 def test_garbage_checkpoint_error_is_the_only_stderr_line(
     garbage_checkpoint_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:

@@ -362,11 +362,9 @@ def test_every_section_is_frozen(section: str, name: str, value: object) -> None
 # ---------------------------------------------------------------- known gaps (see the report)
 
 
-@pytest.mark.xfail(strict=True, reason="OuterConfig.validate accepts lr=inf (it checks > 0, not finiteness)")
 def test_infinite_outer_lr_is_rejected() -> None:
     assert "outer.lr" in config_error(overrides=["outer.lr=inf"])
 
 
-@pytest.mark.xfail(strict=True, reason="AveragingConfig.validate lets group_size fall below min_group_size")
 def test_group_size_below_min_group_size_is_rejected() -> None:
     assert "averaging.group_size" in config_error(overrides=["averaging.group_size=1"])

@@ -87,7 +87,7 @@ def test_lr_schedule() -> None:
     assert lr_at(110, cfg) == pytest.approx(1e-4)
     assert lr_at(10_000, cfg) == pytest.approx(1e-4)
     lrs = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
 def test_lr_without_warmup() -> None:

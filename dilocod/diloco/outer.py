@@ -9,6 +9,7 @@ with the same bits. So each update is a chain of plain elementwise ops, one roun
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ class OuterConfig:
     nesterov: bool = True
 
     def validate(self) -> None:
-        if not self.lr > 0:
+        if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"outer.lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
@@ -56,22 +57,23 @@ class OuterOptimizer:
 
     def pseudo_gradient(self, local: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Δ = θ_global − θ_local: how far this peer's H inner steps moved it, with the sign of a gradient."""
-        if len(local) != len(self.params):
-            raise ValueError(f"expected {len(self.params)} tensors, got {len(local)}")
-        return [
-            g - t.detach().to(device="cpu", dtype=torch.float32)
-            for g, t in zip(self.params, local, strict=False)
-        ]
+        self._check_shapes(local)
+        return [g - t.detach().to(device="cpu", dtype=torch.float32) for g, t in zip(self.params, local)]
+
+    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> None:
+        """All-or-nothing: a mismatch found halfway through an update would leave θ half-updated."""
+        if len(tensors) != len(self.params):
+            raise ValueError(f"expected {len(self.params)} tensors, got {len(tensors)}")
+        for param, tensor in zip(self.params, tensors):
+            if tensor.shape != param.shape:
+                raise ValueError(f"shape mismatch: {tuple(tensor.shape)} vs {tuple(param.shape)}")
 
     @torch.no_grad()
     def apply(self, averaged_delta: Sequence[torch.Tensor]) -> None:
         """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov."""
-        if len(averaged_delta) != len(self.params):
-            raise ValueError(f"expected {len(self.params)} tensors, got {len(averaged_delta)}")
+        self._check_shapes(averaged_delta)
         mu, lr = self.cfg.momentum, self.cfg.lr
-        for param, buf, delta in zip(self.params, self.momentum, averaged_delta, strict=False):
-            if delta.shape != param.shape:
-                raise ValueError(f"shape mismatch: {tuple(delta.shape)} vs {tuple(param.shape)}")
+        for param, buf, delta in zip(self.params, self.momentum, averaged_delta):
             delta = delta.to(torch.float32)
             buf.copy_(torch.add(torch.mul(buf, mu), delta))
             direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
@@ -88,10 +90,10 @@ class OuterOptimizer:
         n = len(self.params)
         if len(tensors) != 2 * n:
             raise ValueError(f"expected {2 * n} state tensors, got {len(tensors)}")
-        for own, new in zip([*self.params, *self.momentum], tensors, strict=False):
+        for own, new in zip([*self.params, *self.momentum], tensors):
             if own.shape != new.shape:
                 raise ValueError(f"state shape mismatch: {tuple(new.shape)} vs {tuple(own.shape)}")
-        for own, new in zip([*self.params, *self.momentum], tensors, strict=False):
+        for own, new in zip([*self.params, *self.momentum], tensors):
             own.copy_(new.to(torch.float32))
         self.step = int(step)
         self.sha256 = global_sha256(self.params)
