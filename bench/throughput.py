@@ -1,0 +1,125 @@
+"""Throughput of one peer vs a bare torch loop on the same model and batch, and of each preset.
+
+    .venv/bin/python bench/throughput.py [--steps 60] [--presets tiny,small,124m] [--peer]
+
+Measured side by side in one run (this machine is noisy): the bare loop and the daemon's trainer
+alternate, several times, and the ratio is taken per pair. With `--peer`, a real `dilocod join`
+process (alone, no bootstrap) runs too and its reported tokens/s is compared with a bare loop run
+right before and after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dilocod.trainer import DataConfig, InnerTrainer, ModelConfig, TrainerConfig, build_model, count_params
+from dilocod.trainer.data import ShardSampler, load_corpus
+
+
+def bare_loop(preset: str, batch: int, seq: int, steps: int) -> float:
+    """tokens/s of the plainest loop: model, AdamW, random windows of the same corpus; nothing else."""
+    model = build_model(ModelConfig(preset), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    corpus = load_corpus(DataConfig())
+    sampler = ShardSampler(corpus.train, seed=0, peer_key="bench", num_shards=16, batch_size=batch, seq_len=seq)
+    x, y = sampler.batch(0)
+    for _ in range(3):  # warm-up
+        _step(model, opt, x, y)
+    started = time.perf_counter()
+    for i in range(steps):
+        x, y = sampler.batch(i)
+        _step(model, opt, x, y)
+    return steps * batch * seq / (time.perf_counter() - started)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    logits = model(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def trainer_loop(preset: str, batch: int, seq: int, steps: int) -> float:
+    cfg = TrainerConfig(batch_size=batch, seq_len=seq, inner_steps=steps, warmup_steps=1)
+    trainer = InnerTrainer(ModelConfig(preset), DataConfig(), cfg, seed=0, peer_key="bench")
+    trainer.train_steps(3)
+    stats = trainer.train_steps(steps)
+    return stats.tokens / stats.seconds
+
+
+def peer_tokens_per_second(seconds: float) -> float:
+    """Run a lone `dilocod join` for `seconds` and read its own tokens/s from /api/status."""
+    port = 18777
+    with tempfile.TemporaryDirectory() as run_dir:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dilocod", "join", "--config", "configs/tiny.toml", "--run-dir", run_dir,
+             "--host", "127.0.0.1", "--http-port", str(port), "--set", "averaging.matchmaking_timeout=3",
+             "--set", "averaging.min_matchmaking_time=1", "--set", "trainer.inner_steps=50"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            time.sleep(seconds)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5) as r:
+                status = json.loads(r.read())
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return float(status["tokens_per_second"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--presets", default="tiny,small,124m")
+    parser.add_argument("--peer", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    ratios, bare, ours = [], [], []
+    for _ in range(args.repeats):
+        b = bare_loop("tiny", 16, 128, args.steps)
+        t = trainer_loop("tiny", 16, 128, args.steps)
+        bare.append(b)
+        ours.append(t)
+        ratios.append(t / b)
+    print(
+        f"tiny, batch 16×128: bare loop {statistics.median(bare):,.0f} tok/s, dilocod trainer "
+        f"{statistics.median(ours):,.0f} tok/s, ratio {statistics.median(ratios):.3f} "
+        f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    if args.peer:
+        before = bare_loop("tiny", 16, 128, args.steps)
+        peer = peer_tokens_per_second(45)
+        after = bare_loop("tiny", 16, 128, args.steps)
+        print(
+            f"lone `dilocod join` peer: {peer:,.0f} tok/s vs bare loop {before:,.0f}/{after:,.0f} "
+            f"(ratio {peer / ((before + after) / 2):.3f})"
+        )
+    print("\npreset  params        batch×seq  tokens/s (CPU train step)")
+    for preset in args.presets.split(","):
+        params = count_params(build_model(ModelConfig(preset), seed=0))
+        batch, seq = (16, 128) if preset == "tiny" else (4, 128)
+        steps = max(2, args.steps // (1 if preset == "tiny" else 10 if preset == "small" else 30))
+        tps = trainer_loop(preset, batch, seq, steps)
+        print(f"{preset:7s} {params:>13,}  {batch}×{seq:<6d}  {tps:,.0f}")
+
+
+if __name__ == "__main__":
+    main()
