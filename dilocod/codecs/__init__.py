@@ -1,0 +1,32 @@
+"""Pseudo-gradient codecs (`averaging.compression`) and error feedback. Pure tensor code: torch + stdlib.
+
+See `base` for the interface and its determinism/robustness contracts, `quant` for each codec's byte
+layout and error bound, `feedback` for error feedback.
+"""
+
+from dilocod.codecs.base import Codec, CodecError, Payload
+from dilocod.codecs.feedback import ErrorFeedback, roundtrip
+from dilocod.codecs.quant import (
+    CODEC_NAMES,
+    DEFAULT_BLOCK_SIZE,
+    BlockQuantCodec,
+    Fp16Codec,
+    NoneCodec,
+    bytes_per_element,
+    make_codec,
+)
+
+__all__ = [
+    "CODEC_NAMES",
+    "DEFAULT_BLOCK_SIZE",
+    "BlockQuantCodec",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "Fp16Codec",
+    "NoneCodec",
+    "Payload",
+    "bytes_per_element",
+    "make_codec",
+    "roundtrip",
+]
