@@ -1,0 +1,41 @@
+"""Byzantine-robust aggregation of pseudo-gradient parts: pure tensor functions (torch + stdlib only).
+
+``reducers`` reduce all senders' copies of one part, ``screening`` drops obviously bad copies before that,
+``verify`` lets a receiver sanity-check an averaged part that another peer's reducer sent back.
+"""
+
+from dilocod.aggregation.reducers import (
+    AUTO_TAU_FACTOR,
+    REDUCER_NAMES,
+    Reducer,
+    ReducerConfig,
+    auto_tau,
+    centered_clip,
+    make_reducer,
+    mean,
+    median,
+    trim_count,
+    trimmed_mean,
+)
+from dilocod.aggregation.screening import ScreeningConfig, faulty, screen
+from dilocod.aggregation.verify import REDUCER_NORM_FACTOR, average_bound, plausible_average
+
+__all__ = [
+    "AUTO_TAU_FACTOR",
+    "REDUCER_NAMES",
+    "REDUCER_NORM_FACTOR",
+    "Reducer",
+    "ReducerConfig",
+    "ScreeningConfig",
+    "auto_tau",
+    "average_bound",
+    "centered_clip",
+    "faulty",
+    "make_reducer",
+    "mean",
+    "median",
+    "plausible_average",
+    "screen",
+    "trim_count",
+    "trimmed_mean",
+]
