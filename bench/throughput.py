@@ -34,7 +34,9 @@ def bare_loop(preset: str, batch: int, seq: int, steps: int) -> float:
     model = build_model(ModelConfig(preset), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     corpus = load_corpus(DataConfig())
-    sampler = ShardSampler(corpus.train, seed=0, peer_key="bench", num_shards=16, batch_size=batch, seq_len=seq)
+    sampler = ShardSampler(
+        corpus.train, seed=0, peer_key="bench", num_shards=16, batch_size=batch, seq_len=seq
+    )
     x, y = sampler.batch(0)
     for _ in range(3):  # warm-up
         _step(model, opt, x, y)

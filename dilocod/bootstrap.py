@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dilocod import __version__
+from dilocod.history import RunHistory
 from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
 from dilocod.runview import read_run
@@ -41,6 +42,7 @@ class BootstrapDaemon:
         self.stopping = asyncio.Event()
         self.node: Node | None = None
         self.http: HttpServer | None = None
+        self.history = RunHistory()
         self.started = time.time()
         self._peers: list[dict[str, Any]] = []
 
@@ -63,7 +65,7 @@ class BootstrapDaemon:
                 self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
             await loop.run_in_executor(None, self.node.start)
             if self.args.http_port is not None:
-                self.http = HttpServer(self.metrics, self.status, self.run_view)
+                self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
             self._announce()
@@ -101,7 +103,7 @@ class BootstrapDaemon:
     async def run_view(self) -> list[dict[str, Any]]:
         if self.node is None or self.node.dht is None:
             return []
-        return await read_run(self.node, self.metrics)
+        return await read_run(self.node, self.metrics, self.history)
 
     def status(self) -> dict[str, Any]:
         node = self.node

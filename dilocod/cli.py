@@ -28,6 +28,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{value:g} seconds is out of range 0.1..3600")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dilocod", description="Decentralized DiLoCo training, peer to peer."
@@ -73,6 +83,17 @@ def _parser() -> argparse.ArgumentParser:
         "--run-dir", type=Path, default=Path("runs/demo"), help="where the peers keep their files"
     )
     demo.add_argument("--rounds", type=int, default=0, help="stop after this many outer rounds (0 = never)")
+
+    status = sub.add_parser(
+        "status", help="print the run as a table, from a bootstrap's or a peer's HTTP API"
+    )
+    status.add_argument(
+        "url", nargs="?", default="http://127.0.0.1:8080", help="node to ask (default http://127.0.0.1:8080)"
+    )
+    status.add_argument("-w", "--watch", action="store_true", help="redraw every --interval seconds")
+    status.add_argument("--interval", type=_seconds, default=2.0, help="seconds between redraws (default 2)")
+    status.add_argument("--count", type=int, default=0, help="with --watch: stop after this many redraws")
+    status.add_argument("--wide", action="store_true", help="full peer ids")
     return parser
 
 
@@ -83,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _join(args)
         if args.command == "bootstrap":
             return _bootstrap(args)
+        if args.command == "status":
+            from dilocod.statuscmd import run_status
+
+            return run_status(
+                args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
+            )
         return _demo(args)
     except (ConfigError, CheckpointError, DataError) as e:
         return _fail(str(e), EXIT_USAGE)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.inner import TrainerConfig
@@ -54,6 +55,19 @@ class AveragingConfig:
     allreduce_timeout: float = 60.0  # give up a started all-reduce after this long
     request_timeout: float = 3.0  # one matchmaking request; keep it below min_matchmaking_time
     state_timeout: float = 60.0  # one state download (re-sync) attempt
+    reducer: str = "centered_clip"  # mean | trimmed_mean | median | centered_clip
+    trim_fraction: float = 0.2  # trimmed_mean: share cut from each side
+    clip_tau: float | None = None  # centered_clip radius; unset = derived from the data
+    clip_iters: int = 20
+    clip_tol: float = 1e-6
+    screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
+    ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
+
+    def reducer_config(self) -> ReducerConfig:
+        return ReducerConfig(self.reducer, self.trim_fraction, self.clip_tau, self.clip_iters, self.clip_tol)
+
+    def screening_config(self) -> ScreeningConfig:
+        return ScreeningConfig(self.screen_norm_ratio)
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -75,6 +89,27 @@ class AveragingConfig:
             )
         if not self.state_timeout > 0:
             raise ValueError(f"averaging.state_timeout must be > 0, got {self.state_timeout}")
+        if not self.ban_seconds > 0:
+            raise ValueError(f"averaging.ban_seconds must be > 0, got {self.ban_seconds}")
+        self.reducer_config().validate()
+        self.screening_config().validate()
+
+
+ADVERSARY_MODES = (
+    "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AdversaryConfig:
+    """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
+
+    mode: str = "none"
+    alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
+
+    def validate(self) -> None:
+        if self.mode not in ADVERSARY_MODES:
+            raise ValueError(f"adversary.mode must be one of {', '.join(ADVERSARY_MODES)}, got '{self.mode}'")
 
 
 @dataclass(frozen=True)
@@ -105,6 +140,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
 
     def validate(self) -> None:
         if self.model.preset not in PRESETS:

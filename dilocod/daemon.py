@@ -22,12 +22,17 @@ from typing import Any
 
 import torch
 
+from dilocod.adversary import Adversary
+from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
+from dilocod.bans import BanList
 from dilocod.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
+from dilocod.history import RunHistory
 from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState
+from dilocod.progress import show_progress
 from dilocod.rounds import RoundKeeper
 from dilocod.runtime import install_stop_signals
 from dilocod.runview import STATUS_KEY, read_run
@@ -65,6 +70,15 @@ class PeerDaemon:
         self.node: Node | None = None
         self.group: GroupAverager | None = None
         self.http: HttpServer | None = None
+        self.bans = BanList(args.run_dir)
+        self.state.bans = len(self.bans.active())
+        self.state.banned = self.bans.peer_ids()
+        self.adversary = Adversary(self.cfg.adversary, self.cfg.run.seed)
+        if self.adversary.active:
+            log.warning(
+                "ADVERSARY MODE '%s': this peer attacks the run (for testing defenses)", self.adversary.mode
+            )
+        self.history = RunHistory()  # the run over time, for the dashboard (`/api/history`)
         self.rounds: RoundKeeper | None = None
         self._snapshot: tuple[bytes, list[torch.Tensor]] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -86,10 +100,19 @@ class PeerDaemon:
         await self._start_http()
         assert self.trainer is not None and self.outer is not None and self.group is not None
         self.rounds = RoundKeeper(
-            self.cfg, self.state, self.metrics, self.trainer, self.outer, self.group, self
+            self.cfg,
+            self.state,
+            self.metrics,
+            self.trainer,
+            self.outer,
+            self.group,
+            self,
+            self.bans,
+            self.adversary,
         )
         self.rounds.share_state()
         self._tasks.append(asyncio.create_task(self._publish_status_forever()))
+        self._tasks.append(asyncio.create_task(show_progress(self.state, self.cfg.trainer.inner_steps)))
         self.state.phase = "training"
         log.info(
             "peer %s joined run '%s' at outer step %d (inner step %d); listening on %s",
@@ -171,12 +194,17 @@ class PeerDaemon:
             allreduce_timeout=avg.allreduce_timeout,
             request_timeout=avg.request_timeout,
             mode="client" if net.reachability == "private" else "node",
+            reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
+            # `mean` is the undefended baseline: no receiver-side check either.
+            check_part=make_part_check(avg.screening_config()) if avg.reducer != "mean" else None,
+            corrupt_reductions=self.adversary.corrupt_reductions,
         )
         self.group = GroupAverager(self.node, self.outer.params, options, self._current_state)
         # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be
         # the main thread, and our own handlers go back on afterwards.
         self.group.start()
         install_stop_signals(self.stopping)
+        self.group.set_banned(self.bans.peer_ids())
         self.state.peer_id = self.node.peer_id
         self.state.maddrs = self.node.visible_maddrs()
         self.state.reachability = "private" if net.reachability == "private" else "public"
@@ -184,7 +212,7 @@ class PeerDaemon:
     async def _start_http(self) -> None:
         if self.args.http_port is None:
             return
-        self.http = HttpServer(self.metrics, self.status, self.run_view)
+        self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
         port = await self.http.start(self.args.http_host, self.args.http_port)
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
 
@@ -193,6 +221,8 @@ class PeerDaemon:
         await self.rounds.catch_up()
         H = self.cfg.trainer.inner_steps
         while not self.stopping.is_set():
+            if self.state.round_steps == 0 and self.state.outer_step > 0:
+                await self.rounds.check_agreement()
             stats = await self.train(H - self.state.round_steps)
             if self.stopping.is_set():
                 break
@@ -324,7 +354,7 @@ class PeerDaemon:
     async def run_view(self) -> list[dict[str, Any]]:
         if self.node is None or self.node.dht is None:
             return []
-        return await read_run(self.node, self.metrics)
+        return await read_run(self.node, self.metrics, self.history)
 
     async def publish_status(self) -> None:
         if self.node is None or self.node.dht is None:

@@ -1,4 +1,11 @@
-"""The node's HTTP face: `/metrics` (Prometheus), `/api/status` (this node), `/api/run` (the whole run)."""
+"""The node's HTTP face, the same on the bootstrap and on every peer.
+
+- `/`: the run dashboard (`dilocod/web/`, plain HTML/JS/CSS; it polls the JSON API below);
+- `/metrics`: Prometheus metrics of this node;
+- `/api/status`: this node (a peer's includes its recent rounds);
+- `/api/run`: every live peer's latest status record, from this node's view of the DHT;
+- `/api/history`: what this node has seen of the run over time (`dilocod.history`).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,13 @@ from typing import Any
 
 from aiohttp import web
 
+from dilocod.history import RunHistory
 from dilocod.metrics import Metrics
 
 StatusFn = Callable[[], dict[str, Any]]
 RunFn = Callable[[], Awaitable[list[dict[str, Any]]]]
+
+STATIC = {"app.js": "application/javascript", "style.css": "text/css"}
 
 
 def _json_safe(value: Any) -> Any:
@@ -28,21 +38,30 @@ def _json_safe(value: Any) -> Any:
 
 
 def json_response(payload: Any) -> web.Response:
-    return web.Response(text=json.dumps(_json_safe(payload)), content_type="application/json")
+    return web.Response(
+        text=json.dumps(_json_safe(payload)),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 class HttpServer:
-    def __init__(self, metrics: Metrics, status: StatusFn, run: RunFn) -> None:
+    def __init__(
+        self, metrics: Metrics, status: StatusFn, run: RunFn, history: RunHistory | None = None
+    ) -> None:
         self._metrics, self._status, self._run = metrics, status, run
+        self._history = history if history is not None else RunHistory()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/", self._index)
+        app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/api/status", self._status_handler)
         app.router.add_get("/api/run", self._run_handler)
+        app.router.add_get("/api/history", self._history_handler)
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -62,7 +81,14 @@ class HttpServer:
 
     async def _index(self, _request: web.Request) -> web.Response:
         page = resources.files("dilocod.web").joinpath("index.html").read_text()
-        return web.Response(text=page, content_type="text/html")
+        return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+    async def _static(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:  # a fixed list: no path ever reaches the file system from a request
+            raise web.HTTPNotFound()
+        text = resources.files("dilocod.web").joinpath(name).read_text()
+        return web.Response(text=text, content_type=STATIC[name], headers={"Cache-Control": "no-cache"})
 
     async def _metrics_handler(self, _request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), content_type="text/plain", charset="utf-8")
@@ -72,3 +98,6 @@ class HttpServer:
 
     async def _run_handler(self, _request: web.Request) -> web.Response:
         return json_response(await self._run())
+
+    async def _history_handler(self, _request: web.Request) -> web.Response:
+        return json_response(self._history.snapshot())

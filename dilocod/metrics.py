@@ -1,8 +1,18 @@
-"""Prometheus metrics of one node (prefix `dilocod_`, base units, `_total` counters, no peer-id labels)."""
+"""Prometheus metrics of one node (prefix `dilocod_`, base units, `_total` counters, no peer-id labels).
+
+docs/observability.md lists every metric with its meaning; `configs/grafana/dilocod.json` charts them
+(tests/test_grafana.py checks that it names no metric missing here).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from dilocod import __version__
 
 ROUND_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -13,6 +23,7 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # This node's own work.
         self.tokens_per_second = Gauge(
             "dilocod_tokens_per_second", "Training throughput (tokens/s)", registry=r
         )
@@ -21,7 +32,7 @@ class Metrics:
         self.inner_step_seconds = Histogram(
             "dilocod_inner_step_seconds", "Wall time of one inner step", buckets=STEP_BUCKETS, registry=r
         )
-        self.train_loss = Gauge("dilocod_train_loss", "Mean train loss over the last round", registry=r)
+        self.train_loss = Gauge("dilocod_train_loss", "Train loss of the latest inner step", registry=r)
         self.eval_loss = Gauge("dilocod_eval_loss", "Held-out loss of θ_global", registry=r)
         self.outer_step = Gauge("dilocod_outer_step", "Completed outer rounds", registry=r)
         self.round_seconds = Histogram(
@@ -43,6 +54,51 @@ class Metrics:
         self.compute_utilization = Gauge(
             "dilocod_compute_utilization", "Time in inner steps divided by wall time (0-1)", registry=r
         )
+        # Traffic and trust: incremented by the averaging layer that moves and screens the tensors
+        # (they stay at 0 on a node whose averaging layer does not report them).
+        self.bytes_sent = Counter(
+            "dilocod_bytes_sent",
+            "Bytes of tensors sent to other peers (averaging, state sharing)",
+            registry=r,
+        )
+        self.bytes_received = Counter(
+            "dilocod_bytes_received",
+            "Bytes of tensors received from other peers (averaging, state downloads)",
+            registry=r,
+        )
+        self.rejected_contributions = Counter(
+            "dilocod_rejected_contributions",
+            "Contributions of other peers screened out of an average (bad shape, non-finite, outlier)",
+            registry=r,
+        )
+        self.bans = Counter("dilocod_bans", "Peers this node banned from its averaging groups", registry=r)
+        # The run as this node sees it in the DHT (every node exports these; the bootstrap's are the run's).
+        self.run_peers = Gauge(
+            "dilocod_run_peers", "Training peers of the run with a live status record", registry=r
+        )
+        self.run_tokens_per_second = Gauge(
+            "dilocod_run_tokens_per_second", "Sum of the tokens/s the run's live peers report", registry=r
+        )
+        self.run_outer_step = Gauge(
+            "dilocod_run_outer_step", "Highest outer step a live peer of the run reports", registry=r
+        )
+        self.build_info = Gauge(
+            "dilocod_build_info", "Always 1; labelled with the version", ["version"], registry=r
+        )
+        self.build_info.labels(version=__version__).set(1)
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds, …
+        ProcessCollector(registry=r)
+
+    def observe_run(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Update the run-wide gauges from the live status records of the run (see `runview.read_run`)."""
+        peers = [r for r in records if r.get("role") == "peer"]
+        self.run_peers.set(len(peers))
+        self.run_tokens_per_second.set(sum(_finite(r.get("tokens_per_second")) for r in peers))
+        self.run_outer_step.set(max((int(r.get("outer_step") or 0) for r in peers), default=0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _finite(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else 0.0

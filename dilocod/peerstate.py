@@ -45,6 +45,9 @@ class PeerState:
     rounds_ok: int = 0
     rounds_failed: int = 0
     resyncs: int = 0
+    rejected_contributions: int = 0  # contributions we refused (screened senders, implausible reducers)
+    bans: int = 0  # peers currently banned
+    banned: list[str] = field(default_factory=list)
     last_round_seconds: float | None = None
     phase: str = "starting"  # starting | training | averaging | syncing | stopping
     started: float = field(default_factory=time.time)
@@ -77,6 +80,9 @@ class PeerState:
             "rounds_ok": self.rounds_ok,
             "rounds_failed": self.rounds_failed,
             "resyncs": self.resyncs,
+            "rejected_contributions": self.rejected_contributions,
+            "bans": self.bans,
+            "banned": list(self.banned),
             "last_round_seconds": self.last_round_seconds,
             "compute_utilization": self.compute_utilization(),
             "uptime_seconds": time.time() - self.started,
@@ -105,4 +111,6 @@ class PeerState:
             "time": time.time(),
             "version": __version__,
             "maddrs": self.maddrs[:16],
+            "rejected_contributions": self.rejected_contributions,
+            "bans": self.bans,
         }

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dilocod.adversary import Adversary
+from dilocod.bans import BanList
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer, global_sha256
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState, RoundRecord
 from dilocod.trainer import InnerTrainer, StepStats
-from peers.group import DownloadedState, GroupAverager
+from peers.group import DownloadedState, GroupAverager, RoundOutcome
 from proto import ProtoError, decode_state_meta, encode_state_meta, encode_ticket
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dilocod.rounds")
 
 DOWNLOAD_ATTEMPTS = 3
+RECORD_WAITS = 3  # status intervals to wait for the records of a donor's step
 
 
 class RoundKeeper:
@@ -47,9 +50,12 @@ class RoundKeeper:
         outer: OuterOptimizer,
         group: GroupAverager,
         daemon: PeerDaemon,
+        bans: BanList,
+        adversary: Adversary,
     ) -> None:
         self.cfg, self.state, self.metrics = cfg, state, metrics
         self.trainer, self.outer, self.group, self.daemon = trainer, outer, group, daemon
+        self.bans, self.adversary = bans, adversary
 
     # ---- one round -----------------------------------------------------------------------------------
     async def sync(self, stats: StepStats) -> None:
@@ -58,19 +64,23 @@ class RoundKeeper:
         self.state.loss = stats.mean_loss if stats.steps else self.state.loss
         local = await self._in_trainer(self.trainer.working_params_fp32)
         delta = self.outer.pseudo_gradient(local)
+        sent = self.adversary.corrupt_delta(delta) if self.adversary.active else delta
         ticket = encode_ticket(
             {
                 "outer_step": self.outer.step,
                 "global_sha256": self.outer.sha256,
                 "num_params": self.outer.num_elements,
                 "role": "peer",
+                "bans": self.bans.peer_ids()[-32:],
             }
         )
-        outcome = await self.group.average(self.outer.step, ticket, delta)
+        outcome = await self.group.average(self.outer.step, ticket, sent)
+        await self._judge(outcome)
         self.state.last_round_seconds = outcome.seconds
         self.metrics.round_seconds.observe(outcome.seconds)
         if outcome.averaged is not None:
-            await self._apply(outcome.averaged, "ok", outcome.group_size, outcome.seconds)
+            result = "ok" if outcome.contributors > 1 else "alone"  # e.g. only an auxiliary reducer met us
+            await self._apply(outcome.averaged, result, outcome.group_size, outcome.seconds)
             return
         if outcome.found_group and not outcome.in_majority and outcome.error is None:
             log.warning("our θ_global is not the group's at outer step %d: re-syncing", self.outer.step)
@@ -85,6 +95,42 @@ class RoundKeeper:
             await self._catch_up_or_retry()
             return
         await self._no_group(delta, outcome.seconds)
+
+    async def _judge(self, outcome: RoundOutcome) -> None:
+        """Count and ban the peers this round caught: screened senders and implausible reducers."""
+        caught = [
+            (p, "its contribution was screened out (non-finite or far too large)") for p in outcome.faulty
+        ]
+        caught += [(p, "as a reducer it returned an implausible average") for p in outcome.rejected_reducers]
+        await self._punish(caught)
+
+    async def _punish(self, caught: list[tuple[str, str]]) -> None:
+        caught = [(peer, reason) for peer, reason in caught if peer != self.state.peer_id]
+        if not caught:
+            return
+        self.state.rejected_contributions += len(caught)
+        self.metrics.rejected_contributions.inc(len(caught))
+        changed = False
+        for peer, reason in caught:
+            if self.bans.ban(peer, reason, self.cfg.averaging.ban_seconds):
+                self.metrics.bans.inc()
+                changed = True
+        self.state.bans = len(self.bans.active())
+        self.state.banned = self.bans.peer_ids()
+        if changed:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.group.set_banned, self.bans.peer_ids()
+            )
+
+    async def check_agreement(self) -> None:
+        """After a round, peers publish their θ hash: if most peers at our step hold another, re-sync."""
+        others = await self._other_peers()
+        same_step = [r["global_sha256"] for r in others if r["outer_step"] == self.outer.step]
+        counts = Counter([*same_step, self.outer.sha256])
+        top, votes = counts.most_common(1)[0]
+        if top != self.outer.sha256 and votes > counts[self.outer.sha256]:
+            log.warning("%d peers at outer step %d hold another θ_global: re-syncing", votes, self.outer.step)
+            await self.catch_up(force=True)
 
     async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> None:
         others = await self._other_peers()
@@ -160,17 +206,19 @@ class RoundKeeper:
 
     def share_state(self) -> None:
         """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
+        tensors = self.adversary.poison_state([t.clone() for t in self.outer.state_tensors()])
         meta = encode_state_meta(
             {
                 "outer_step": self.outer.step,
-                "global_sha256": self.outer.sha256,
+                # self-consistent even when poisoned: only the run's published hashes can expose a liar
+                "global_sha256": global_sha256(tensors[: len(self.outer.params)]),
                 "num_tensors": 2 * len(self.outer.params),
                 "param_count": len(self.outer.params),
                 "time": time.time(),
             }
         )
-        self.daemon.set_snapshot((meta, [t.clone() for t in self.outer.state_tensors()]))
-        self.group.set_state_step(self.outer.step)
+        self.daemon.set_snapshot((meta, tensors))
+        self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
 
     # ---- catching up -----------------------------------------------------------------------------------
     async def catch_up(self, *, force: bool = False) -> bool:
@@ -180,9 +228,8 @@ class RoundKeeper:
         if best < self.outer.step or (best == self.outer.step and not force):
             return False
         self.state.phase = "syncing"
-        expected = _majority_hashes(others)
         min_step = self.outer.step if force else self.outer.step + 1
-        tried: list[str] = []
+        tried: list[str] = self.bans.peer_ids()
         for _ in range(DOWNLOAD_ATTEMPTS):
             downloaded = await self.group.download_state(
                 exclude=tried,
@@ -193,34 +240,57 @@ class RoundKeeper:
             if downloaded is None:
                 break
             tried.append(downloaded.donor)
-            problem = self._verify(downloaded, expected, min_step)
-            if problem is None:
+            verdict = await self._verify(downloaded, min_step)
+            if verdict is None:
                 await self._adopt(downloaded)
                 return True
+            problem, lie = verdict
             log.warning("refused state from %s: %s", downloaded.donor, problem)
+            if lie:  # only evidence of lying is punished; a donor ahead of the records is merely early
+                await self._punish([(downloaded.donor, f"served state that was refused: {problem}")])
         log.warning("could not re-sync from peers (best known outer step %d); training on", best)
         return False
 
-    def _verify(self, downloaded: DownloadedState, expected: dict[int, str], min_step: int) -> str | None:
+    async def _verify(self, downloaded: DownloadedState, min_step: int) -> tuple[str, bool] | None:
+        """None if the state may be adopted, else (why not, whether that proves the donor lied)."""
         try:
             meta = decode_state_meta(downloaded.meta)
         except ProtoError as e:
-            return f"bad metadata: {e}"
+            return f"bad metadata: {e}", True
+        problem = self._check_content(downloaded.tensors, meta)
+        if problem is not None:
+            return problem, True
+        step = meta["outer_step"]
+        if step < min_step:
+            return f"it is at outer step {step}, we need {min_step}", False
+        # The hash a step's θ must have is what the *other* peers report; the donor's own record only counts
+        # when nobody else reports that step (a run of two cannot tell who lies anyway). Records can lag a
+        # donor that just finished a round, so wait a little for them.
+        for attempt in range(RECORD_WAITS + 1):
+            others = await self._other_peers()
+            expected = {
+                **_majority_hashes(others),
+                **_majority_hashes([r for r in others if r["peer_id"] != downloaded.donor]),
+            }
+            agreed = expected.get(step)
+            if agreed is not None:
+                if agreed != meta["global_sha256"]:
+                    return "its θ_global is not the one most peers report for that step", True
+                return None
+            if attempt < RECORD_WAITS:
+                await asyncio.sleep(self.cfg.net.status_interval)
+        return f"no peer reports a θ_global for outer step {step}", False
+
+    def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
+        """Shapes, dtype, finiteness, and the donor's hash of what it actually sent."""
         n = len(self.outer.params)
-        tensors = downloaded.tensors
-        if meta["outer_step"] < min_step:
-            return f"it is at outer step {meta['outer_step']}, we need {min_step}"
         if len(tensors) != 2 * n or meta["param_count"] != n:
             return f"expected {2 * n} tensors, got {len(tensors)}"
         for own, new in zip(self.outer.state_tensors(), tensors):
             if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
                 return "a tensor has the wrong shape, dtype or non-finite values"
-        actual = global_sha256(tensors[:n])
-        if actual != meta["global_sha256"]:
+        if global_sha256(tensors[:n]) != meta["global_sha256"]:
             return "its θ_global does not match its own hash"
-        agreed = expected.get(meta["outer_step"])
-        if agreed is not None and agreed != actual:
-            return "its θ_global is not the one most peers report for that step"
         return None
 
     async def _adopt(self, downloaded: DownloadedState) -> None:

@@ -45,13 +45,20 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
 
 def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
-    """Our own log lines to stderr and (when a run dir exists) to a file; hivemind's chatter to the file only."""
+    """Our own log lines to stderr and (when a run dir exists) to a file; hivemind's chatter to the file only.
+
+    The console handler is `progress.ConsoleHandler`: on a terminal a peer keeps a progress line under
+    the log records and shows only warnings once it trains (see `dilocod.progress`).
+    """
+    from dilocod.progress import console_handler
+
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stderr)
+    console = console_handler(sys.stderr)
+    console.filters.clear()
     console.setFormatter(fmt)
     console.setLevel(logging.DEBUG if verbose else logging.INFO)
     # hivemind logs every failed matchmaking as an error with a traceback: useful in the file, noise on a console.

@@ -14,28 +14,86 @@ Each reducer also screens what it is sent: a part with the wrong shape or a non-
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
+PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
+"""(stacked [n, d], weights [n] in {0, 1}) → (reduced [d], indices of senders found faulty)."""
+PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
+"""(averaged part received from a reducer, our own input for that part) → plausible?"""
 
-class SafeDivisionReducer(TensorPartReducer):
-    """A part whose every contribution was dropped averages to zeros, not 0/0 = NaN."""
+
+def weighted_mean(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The default reduction: the mean of the included rows, summed in sender order (deterministic)."""
+    total = torch.zeros(stacked.shape[1], dtype=torch.float64)
+    count = 0.0
+    for row, weight in zip(stacked, weights.tolist()):
+        if weight > 0:
+            total += row.to(torch.float64)
+            count += 1.0
+    result = total / count if count > 0 else total
+    return result.to(torch.float32), []
+
+
+class BufferingReducer(TensorPartReducer):
+    """Collects every sender's copy of a part, then reduces them together with `reduce_part`.
+
+    Robust reducers (median, CenteredClip) need all n copies at once, and summing them in sender
+    order rather than arrival order makes the result independent of network timing.
+    """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, reduce_part: PartReduce) -> None:
+        self.reduce_part = reduce_part
+        self.faulty_senders: set[int] = set()
+        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self.contributions = {}
+        super().reset_accumulators()
+        self.accumulator = None  # unused: contributions are buffered instead
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # earlier parts are still being reduced
+            finished = asyncio.create_task(self.finished.wait())
+            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"part {part_index} arrived after the reducer finished")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.contributions[sender_index] = (tensor_part, weight)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await future
 
     def check_current_part_finished(self) -> None:
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from == self.num_current_senders:
-            if self.denominator > 0:
-                result = self.accumulator.div_(self.denominator)
-            else:
-                result = self.accumulator.zero_()
-            self.current_part_future.set_result(result)
-            self.reset_accumulators()
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        shape = self.part_shapes[self.current_part_index]
+        order = sorted(self.contributions)
+        if order:
+            stacked = torch.stack([self.contributions[i][0].reshape(-1) for i in order])
+            weights = torch.tensor([self.contributions[i][1] for i in order], dtype=torch.float32)
+            reduced, faulty = self.reduce_part(stacked, weights)
+            self.faulty_senders.update(order[i] for i in faulty)
+            result = reduced.reshape(shape).to(torch.float32)
+        else:
+            result = torch.zeros(shape)
+        self.current_part_future.set_result(result)
+        self.reset_accumulators()
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -43,18 +101,64 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, *, sender_weights: dict[PeerID, float], **kwargs: object) -> None:
+    def __init__(
+        self,
+        *,
+        sender_weights: dict[PeerID, float],
+        reduce_part: PartReduce | None = None,
+        check_part: PartCheck | None = None,
+        corrupt: bool = False,
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
         # The stock reducer built by super() is never used; mark it finished so it does not log on deletion.
         self.tensor_part_reducer.finished.set()
-        self.tensor_part_reducer = SafeDivisionReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        self.tensor_part_reducer = BufferingReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            reduce_part or weighted_mean,
         )
         self.sender_weights = [float(sender_weights.get(peer, 0.0)) for peer in self.sender_peer_ids]
         self.screened_parts = 0  # contributions this reducer dropped (wrong shape, NaN/Inf)
+        self.screened_senders: set[int] = set()
+        self.check_part = check_part
+        self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
+        self.rejected_reducers: set[PeerID] = set()
+        # Our own input for every part, by reducer: what a returned average is checked against.
+        self._own_inputs = [
+            tuple(part for part, _ in parts) for parts in self.tensor_part_container._input_parts_by_peer
+        ]
+        register = self.tensor_part_container.register_processed_part
+        self.tensor_part_container.register_processed_part = self._checked(register)  # type: ignore[method-assign]
+
+    def _checked(
+        self, register: Callable[[int, int, torch.Tensor], None]
+    ) -> Callable[[int, int, torch.Tensor], None]:
+        """Wrap the container's intake so every average from another reducer is checked first."""
+
+        def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            # Our own reductions are checked too: in a group of two, statistics cannot outvote a liar.
+            own = self._own_inputs[peer_index][part_index]
+            plausible = part.shape == own.shape and part.dtype == torch.float32
+            if plausible and self.check_part is not None:
+                plausible = self.check_part(part, own)
+            if not plausible:
+                # The safe value every honest member falls back to: no update for these coordinates.
+                if self.ordered_peer_ids[peer_index] != self.peer_id:
+                    self.rejected_reducers.add(self.ordered_peer_ids[peer_index])
+                part = torch.zeros_like(own)
+            register(peer_index, part_index, part)
+
+        return checked
+
+    @property
+    def faulty_senders(self) -> set[PeerID]:
+        """Senders whose contribution this reducer dropped (screened or found faulty by the reducer)."""
+        indices = self.screened_senders | self.tensor_part_reducer.faulty_senders  # type: ignore[attr-defined]
+        return {self.sender_peer_ids[i] for i in indices}
 
     @property
     def failed_size(self) -> int:
@@ -67,6 +171,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         weight = self.sender_weights[sender_index]
         if part.shape != expected or part.dtype != torch.float32 or not bool(torch.isfinite(part).all()):
             self.screened_parts += 1
+            self.screened_senders.add(sender_index)
             return torch.zeros(expected), 0.0
         if weight == 0.0:
             return torch.zeros(expected), 0.0
@@ -106,6 +211,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break
                 part_index += 1
+                if self.corrupt:
+                    averaged = _garbage_like(averaged)
                 serialized = await loop.run_in_executor(None, _serialize_exact, averaged)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
@@ -128,5 +235,6 @@ def _serialize_exact(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
 
 
-def sender_weights_for(peers: Sequence[PeerID], weights: Sequence[float]) -> dict[PeerID, float]:
-    return dict(zip(peers, weights, strict=True))
+def _garbage_like(tensor: torch.Tensor) -> torch.Tensor:
+    """What a lying reducer (adversary mode `bad_reducer`) sends instead of the average."""
+    return torch.randn(tensor.shape) * 1000.0

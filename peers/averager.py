@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging import averager as averager_module
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -33,7 +35,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from peers.allreduce import ExactAllReduceRunner
+from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
 from proto import ProtoError, decode_ticket
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
@@ -44,10 +46,56 @@ def round_group_bits(round_index: int) -> str:
     return format(round_index % 2**32, "032b")
 
 
+class BanAwareMatchmaking(Matchmaking):
+    """Matchmaking that neither accepts followers nor follows leaders this peer has banned."""
+
+    banned: frozenset[PeerID] = frozenset()
+
+    def _check_reasons_to_reject(self, request: Any, context: Any) -> Any:
+        if context.remote_id in self.banned:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
+
+    async def _request_join_group(self, leader: PeerID) -> Any:
+        if leader in self.banned:
+            return None
+        return await super()._request_join_group(leader)
+
+
 class RunAverager(DecentralizedAverager):
-    def __init__(self, *args: Any, state_provider: StateProvider | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        state_provider: StateProvider | None = None,
+        reduce_part: PartReduce | None = None,
+        check_part: PartCheck | None = None,
+        corrupt_reductions: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        # Set before super().__init__ forks: the averager process inherits them.
         self._state_provider = state_provider
+        self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
         super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        # Runs in the averager process: hivemind builds its Matchmaking by this module-level name.
+        averager_module.Matchmaking = BanAwareMatchmaking  # type: ignore[misc]
+        super().run()
+
+    def set_banned(self, peer_ids: Sequence[str]) -> None:
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_banned", [], dict(peer_ids=list(peer_ids), future=future)))
+        future.result(timeout=10)
+
+    async def _set_banned(self, peer_ids: list[str], future: MPFuture) -> None:
+        banned = set()
+        for text in peer_ids:
+            try:
+                banned.add(PeerID.from_base58(text))
+            except Exception:
+                continue
+        self._matchmaking.banned = frozenset(banned)
+        future.set_result(None)
 
     # ---- host side ----------------------------------------------------------------------------------
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
@@ -69,7 +117,7 @@ class RunAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         try:
             bandwidths, modes, tickets = _decode_gathered(self.serializer, group_info.gathered)
-            weights = agree_weights(tickets, modes)
+            weights = agree_weights(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
             if not any(weights):
                 raise AllreduceException("no member of the group holds a valid ticket")
             download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes)]
@@ -88,6 +136,8 @@ class RunAverager(DecentralizedAverager):
                 my_weight=weights[my_index],
                 failed_size=runner.failed_size,
                 screened=runner.screened_parts,
+                faulty=sorted(peer.to_base58() for peer in runner.faulty_senders),
+                rejected_reducers=sorted(peer.to_base58() for peer in runner.rejected_reducers),
             )
         except AllreduceException:
             raise
@@ -111,6 +161,9 @@ class RunAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             modes=modes,
             sender_weights=dict(zip(group_info.peer_ids, weights)),
+            reduce_part=self._reduce_part,
+            check_part=self._check_part,
+            corrupt=self._corrupt,
             **kwargs,
         )
         self._running_groups[group_info.group_id].set_result(runner)
@@ -213,12 +266,29 @@ def _decode_gathered(
     return bandwidths, modes, tickets
 
 
-def agree_weights(tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]) -> list[float]:
+def agree_weights(
+    tickets: Sequence[dict[str, Any] | None],
+    modes: Sequence[AveragingMode],
+    peer_ids: Sequence[str] | None = None,
+) -> list[float]:
     """Weight 1 for contributors whose (outer step, θ hash, size) is the group's most common; else 0.
 
     Every member runs this on the same gathered data, so all reach the same answer. Ties go to the
-    smallest (step, hash) so that the choice does not depend on who computes it.
+    smallest (step, hash) so that the choice does not depend on who computes it. Then a member that
+    more than half of those contributors ban (tickets list their bans) loses its weight too: one
+    peer's ban list alone never excludes anybody, but a liar most of the group caught does not count.
     """
+    weights = _majority_weights(tickets, modes)
+    if peer_ids is None:
+        return weights
+    voters = [t for t, w in zip(tickets, weights) if w > 0 and t is not None]
+    votes = Counter(banned for t in voters for banned in set(t.get("bans") or ()))
+    return [0.0 if votes[peer] * 2 > len(voters) else w for peer, w in zip(peer_ids, weights)]
+
+
+def _majority_weights(
+    tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]
+) -> list[float]:
     keys = [
         (t["outer_step"], t["global_sha256"], t["num_params"])
         if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX

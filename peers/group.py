@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
+from peers.allreduce import PartCheck, PartReduce
 from peers.averager import RunAverager, StateProvider, round_group_bits
 from peers.errors import PeersError
 from peers.node import Node
@@ -26,6 +27,11 @@ class AveragingOptions:
     request_timeout: float = 3.0
     mode: str = "node"  # "node": sends and reduces | "client": sends only (behind NAT) | "aux": reduces only
     bandwidth: float | None = None  # relative download bandwidth, used to size each reducer's share
+    # How a reducer combines the n copies of a part (default: the mean) and how a member checks an average
+    # it receives; both are pure functions supplied by the caller.
+    reduce_part: PartReduce | None = field(default=None, compare=False)
+    check_part: PartCheck | None = field(default=None, compare=False)
+    corrupt_reductions: bool = False  # adversary test mode: reduce dishonestly
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,9 @@ class RoundOutcome:
     averaged: list[torch.Tensor] | None
     seconds: float
     error: str | None = None
+    faulty: tuple[str, ...] = ()  # senders whose contribution our reducer dropped
+    rejected_reducers: tuple[str, ...] = ()  # reducers whose average we refused
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,9 @@ class GroupAverager:
             allow_state_sharing=opts.mode == "node" and self._state_provider is not None,
             bandwidth=opts.bandwidth,
             state_provider=self._state_provider,
+            reduce_part=opts.reduce_part,
+            check_part=opts.check_part,
+            corrupt_reductions=opts.corrupt_reductions,
             declare_state_period=10,
             shutdown_timeout=3,
         )
@@ -167,7 +179,14 @@ class GroupAverager:
             complete=complete,
             averaged=averaged,
             seconds=seconds,
+            faulty=tuple(result.get("faulty", ())),
+            rejected_reducers=tuple(result.get("rejected_reducers", ())),
+            members=tuple(result["peers"]),
         )
+
+    def set_banned(self, peer_ids: Sequence[str]) -> None:
+        """Refuse to form groups with these peers (blocking, quick)."""
+        self.averager.set_banned(peer_ids)
 
     async def download_state(
         self, *, exclude: Sequence[str], min_step: int, max_elements: int, timeout: float

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (all at version 1).
+"""The concrete wire messages of dilocod (STATUS and ROUND_TICKET at version 2, STATE_META at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +14,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=1,
+    version=2,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -35,6 +35,9 @@ STATUS = Schema(
         Field("time", "float", min=0),
         Field("version", "str", min=1, max=32),
         Field("maddrs", "list_str", max=16, item_max=256),
+        # v2: trust counters, so a run-wide view shows who is rejecting whom.
+        Field("rejected_contributions", "int", optional=True, min=0),
+        Field("bans", "int", optional=True, min=0, max=100_000),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -58,17 +61,21 @@ on data checked later (the round ticket, the state download's hash), never on th
 - time: sender's unix time when the record was made, so readers can drop stale records.
 - version: dilocod software version of the sender.
 - maddrs: multiaddresses the sender listens on.
+- rejected_contributions (v2): contributions the sender dropped (screened or from a lying reducer).
+- bans (v2): peers the sender currently bans.
 """
 
 ROUND_TICKET = Schema(
     name="dilocod.ticket",
-    version=1,
-    max_bytes=512,
+    version=2,
+    max_bytes=4096,
     fields=(
         Field("outer_step", "int", min=0),
         _SHA256,
         Field("num_params", "int", min=0),
         Field("role", "str", choices=("peer", "helper")),
+        # v2: the peers the sender bans (bounded). A member banned by most contributors gets weight 0.
+        Field("bans", "list_str", optional=True, max=32, item_max=128),
     ),
 )
 """Sent by each member of a forming averaging group to all the others (all-gather) during matchmaking.
@@ -81,6 +88,7 @@ members decide the same way (who averages with whom) without another round of me
 - num_params: the sender's parameter count; compared for equality, a cheap check that all members
   train the same model.
 - role: "peer" for a training member, "helper" for a member that only helps with averaging.
+- bans (v2): peer ids the sender bans; the group drops a member that most contributors ban.
 """
 
 STATE_META = Schema(

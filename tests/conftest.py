@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest_netbed import netbed  # noqa: F401  (the network-namespace test bed)
 from tests.harness import FAST, Swarm
 
 
@@ -17,6 +18,26 @@ def swarm(tmp_path: Path) -> Iterator[Callable[..., Swarm]]:
 
     def make(n: int, *extra: str, bootstrap: bool = True) -> Swarm:
         s = Swarm(tmp_path / f"swarm-{len(made)}", overrides=(*FAST, *extra))
+        made.append(s)
+        if bootstrap:
+            s.start_bootstrap()
+        for _ in range(n):
+            s.add_peer()
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Swarm]]:
+    """`swarm` shared by the tests of one module: started on first use, reaped after the module's last test."""
+    root = tmp_path_factory.mktemp("module-swarm")
+    made: list[Swarm] = []
+
+    def make(n: int, *extra: str, bootstrap: bool = True) -> Swarm:
+        s = Swarm(root / f"swarm-{len(made)}", overrides=(*FAST, *extra))
         made.append(s)
         if bootstrap:
             s.start_bootstrap()

@@ -64,6 +64,8 @@ status_records = st.fixed_dictionaries(
         "time": nonneg,
         "version": st.text(min_size=1, max_size=32),
         "maddrs": st.lists(maddr, max_size=16),
+        "rejected_contributions": st.none() | st.integers(0, INT64_MAX),
+        "bans": st.none() | st.integers(0, 100_000),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -72,6 +74,8 @@ ticket_records = st.fixed_dictionaries(
         "global_sha256": sha256,
         "num_params": steps,
         "role": st.sampled_from(["peer", "helper"]),
+        "bans": st.none()
+        | st.lists(st.text(alphabet=string.ascii_letters + string.digits, max_size=60), max_size=32),
     }
 )
 state_meta_records = st.fixed_dictionaries(
@@ -125,9 +129,11 @@ def example(schema: Schema) -> dict[str, Any]:
             "time": 1_700_000_000.0,
             "version": "0.1.0",
             "maddrs": ["/ip4/1.2.3.4/tcp/31337", "/ip4/1.2.3.4/udp/31337/quic"],
+            "rejected_contributions": 0,
+            "bans": 0,
         }
     if schema is ROUND_TICKET:
-        return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer"}
+        return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
     return {"outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0}
 
 
@@ -386,7 +392,7 @@ def defect_cases() -> list[tuple[str, Schema, bytes, str]]:
         ("wrong schema", STATUS, raw_pack(STATUS, status, name="dilocod.ticket"), "_s"),
         ("schema as bytes", STATUS, raw_pack(STATUS, status, name=b"dilocod.status"), "_s"),
         ("missing schema", STATUS, msgpack.packb({"_v": 1, **status}), "_s"),
-        ("newer version", STATUS, raw_pack(STATUS, status, version=2), "_v"),
+        ("newer version", STATUS, raw_pack(STATUS, status, version=3), "_v"),
         ("version zero", ROUND_TICKET, raw_pack(ROUND_TICKET, ticket, version=0), "_v"),
         ("version as bool", ROUND_TICKET, raw_pack(ROUND_TICKET, ticket, version=True), "_v"),
         ("version as str", STATE_META, raw_pack(STATE_META, meta, version="1"), "_v"),
@@ -405,13 +411,13 @@ def test_defect_is_rejected_naming_the_field(schema: Schema, data: bytes, field:
         decode(schema, data)
     message = str(info.value)
     assert field in message
-    assert message.startswith(f"{schema.name} v1: field ")
+    assert message.startswith(f"{schema.name} v{schema.version}: field ")
     assert "\n" not in message
 
 
 def test_newer_version_message() -> None:
-    with pytest.raises(ProtoError, match="unsupported version 2"):
-        decode(STATUS, raw_pack(STATUS, example(STATUS), version=2))
+    with pytest.raises(ProtoError, match="unsupported version 3"):
+        decode(STATUS, raw_pack(STATUS, example(STATUS), version=3))
 
 
 def test_duplicate_key_rejected() -> None:
@@ -495,8 +501,8 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 1, 4096)
-    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 1, 512)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 2, 4096)
+    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 2, 4096)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
 

@@ -1,0 +1,87 @@
+"""Adversary modes for testing the defenses (`[adversary] mode`, off by default).
+
+An adversary lies only through the protocol, as a stranger could: it sends a crafted pseudo-gradient,
+returns garbage for the parts it reduces, or serves poisoned state to peers that download from it.
+Otherwise it behaves like an honest peer (it applies the group's outer step), so that it stays in
+the group's majority and keeps getting the chance to attack.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dilocod.config import AdversaryConfig
+
+STALE_ROUNDS = 10
+ALIE_WINDOW = 10
+
+
+class Adversary:
+    def __init__(self, cfg: AdversaryConfig, seed: int) -> None:
+        self.mode = cfg.mode
+        self.z = cfg.alie_z
+        self._generator = torch.Generator().manual_seed(seed + 7919)
+        self._history: deque[list[torch.Tensor]] = deque(maxlen=max(STALE_ROUNDS, ALIE_WINDOW) + 1)
+        self._direction: list[torch.Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def corrupt_reductions(self) -> bool:
+        return self.mode == "bad_reducer"
+
+    def corrupt_delta(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pseudo-gradient this peer sends instead of its honest `delta`."""
+        self._history.append([d.clone() for d in delta])
+        if self.mode == "sign_flip":
+            return [d * -1000.0 for d in delta]
+        if self.mode == "scale":
+            return [d * 100.0 for d in delta]
+        if self.mode == "nan":
+            return [torch.full_like(d, float("nan")) for d in delta]
+        if self.mode == "random_direction":
+            return self._random_direction(delta)
+        if self.mode == "stale":
+            return (
+                self._history[0]
+                if len(self._history) > STALE_ROUNDS
+                else [torch.zeros_like(d) for d in delta]
+            )
+        if self.mode == "alie":
+            return self._alie(delta)
+        return delta
+
+    def _random_direction(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._direction is None:  # fixed across rounds: a consistent push is the strongest
+            self._direction = [torch.randn(d.shape, generator=self._generator) for d in delta]
+        honest = _norm(delta)
+        direction = _norm(self._direction)
+        return [v * (1000.0 * honest / max(direction, 1e-12)) for v in self._direction]
+
+    def _alie(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """'A little is enough': mean − z·std per coordinate of the pseudo-gradients it has seen."""
+        window = list(self._history)[-ALIE_WINDOW:]
+        out = []
+        for i in range(len(delta)):
+            samples = torch.stack([h[i] for h in window])
+            std = samples.std(dim=0, unbiased=False) if len(window) > 1 else torch.zeros_like(delta[i])
+            out.append(samples.mean(dim=0) - self.z * std)
+        return out
+
+    def declared_state_step(self, outer_step: int) -> int:
+        """The step this peer claims when offering its state: a bad donor claims to be far ahead."""
+        return outer_step + 1_000_000 if self.mode == "bad_donor" else outer_step
+
+    def poison_state(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What a `bad_donor` serves: θ_global (and momentum) with large noise added."""
+        if self.mode != "bad_donor":
+            return tensors
+        return [t + torch.randn(t.shape, generator=self._generator) for t in tensors]
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.to(torch.float64) ** 2).sum() for t in tensors)))  # type: ignore[arg-type]

@@ -1,0 +1,50 @@
+"""The reduction a reducer runs on one part, and the check a member runs on an average it receives.
+
+These are the two functions the networking layer is given (it knows nothing of robust statistics):
+screening drops rows that are non-finite or far larger than the group's median norm, then the
+configured reducer combines the rest. `mean` is the undefended baseline: it screens only non-finite
+rows, so that the benchmark can show what the defenses buy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dilocod.aggregation.reducers import ReducerConfig, make_reducer
+from dilocod.aggregation.screening import ScreeningConfig, faulty, screen
+from dilocod.aggregation.verify import average_bound, plausible_average
+
+PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
+PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
+
+# A receiver knows only its own copy of a part; it assumes the group's median norm is at most this
+# many times its own (see verify.py for what a too-small estimate costs).
+OWN_NORM_SLACK = 10.0
+
+
+def make_part_reduce(reducer: ReducerConfig, screening: ScreeningConfig) -> PartReduce:
+    reduce = make_reducer(reducer)
+    defended = reducer.name != "mean"
+
+    def reduce_part(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        if defended:
+            kept = screen(stacked, weights, screening)
+        else:
+            finite = torch.isfinite(stacked).all(dim=1)
+            kept = torch.where(finite, weights, torch.zeros_like(weights))
+        return reduce(stacked, kept), faulty(weights, kept)
+
+    return reduce_part
+
+
+def make_part_check(screening: ScreeningConfig) -> PartCheck:
+    def check_part(averaged: torch.Tensor, own: torch.Tensor) -> bool:
+        own_norm = float(torch.linalg.vector_norm(own.to(torch.float64)))
+        if own_norm == 0.0:  # nothing to compare with (e.g. a weight-0 member): only finiteness
+            return bool(torch.isfinite(averaged).all())
+        bound = average_bound(own_norm, OWN_NORM_SLACK * own_norm, norm_ratio=screening.norm_ratio)
+        return plausible_average(averaged, own, bound=bound)
+
+    return check_part
