@@ -7,12 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dilocod import __version__
-from dilocod.checkpoint import CheckpointError
-from dilocod.config import DEFAULT_RUN_ID, ConfigError, load_config
-from dilocod.trainer import DataError
-from peers.errors import PeersError
-from peers.node import parse_multiaddr
+from dilocod import DEFAULT_RUN_ID, __version__
 
 EXIT_USAGE = 2
 EXIT_NETWORK = 1
@@ -99,17 +94,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":  # a quick HTTP client: it must not pay for importing torch and hivemind
+        from dilocod.statuscmd import run_status
+
+        return run_status(
+            args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
+        )
+    from dilocod.checkpoint import CheckpointError
+    from dilocod.config import ConfigError
+    from dilocod.trainer import DataError
+    from peers.errors import PeersError
+
     try:
         if args.command == "join":
             return _join(args)
         if args.command == "bootstrap":
             return _bootstrap(args)
-        if args.command == "status":
-            from dilocod.statuscmd import run_status
-
-            return run_status(
-                args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
-            )
         return _demo(args)
     except (ConfigError, CheckpointError, DataError) as e:
         return _fail(str(e), EXIT_USAGE)
@@ -125,8 +125,10 @@ def _fail(message: str, code: int) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    from dilocod.config import load_config
     from dilocod.daemon import PeerArgs, PeerDaemon
     from dilocod.runtime import install_stop_signals, run_main, setup_logging
+    from peers.node import parse_multiaddr
 
     overrides = list(args.overrides)
     if args.host is not None:
@@ -153,7 +155,9 @@ def _join(args: argparse.Namespace) -> int:
 
 def _bootstrap(args: argparse.Namespace) -> int:
     from dilocod.bootstrap import BootstrapArgs, BootstrapDaemon
+    from dilocod.config import load_config
     from dilocod.runtime import install_stop_signals, run_main, setup_logging
+    from peers.node import parse_multiaddr
 
     for text in args.peers:
         parse_multiaddr(text)
@@ -181,6 +185,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from dilocod.config import load_config
     from dilocod.demo import DemoArgs, run_demo
 
     if args.peers < 1:

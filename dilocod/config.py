@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.inner import TrainerConfig
 from dilocod.trainer.model import PRESETS, ModelConfig
 
-DEFAULT_RUN_ID = "dilocod"  # every configs/*.toml uses it, so a bare bootstrap shows them
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 

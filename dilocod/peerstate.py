@@ -22,6 +22,8 @@ class RoundRecord:
     global_sha256: str
     loss: float | None = None  # mean train loss of the inner steps that fed this round
     eval_loss: float | None = None  # held-out loss of the θ_global this round produced
+    bytes_sent: int = 0
+    bytes_received: int = 0
     time: float = field(default_factory=time.time)
 
 
@@ -48,6 +50,8 @@ class PeerState:
     rejected_contributions: int = 0  # contributions we refused (screened senders, implausible reducers)
     bans: int = 0  # peers currently banned
     banned: list[str] = field(default_factory=list)
+    bytes_sent: int = 0  # tensor payload bytes this peer sent (all-reduce), since it started
+    bytes_received: int = 0  # ... and received (all-reduce and state downloads)
     last_round_seconds: float | None = None
     phase: str = "starting"  # starting | training | averaging | syncing | stopping
     started: float = field(default_factory=time.time)
@@ -83,6 +87,8 @@ class PeerState:
             "rejected_contributions": self.rejected_contributions,
             "bans": self.bans,
             "banned": list(self.banned),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "last_round_seconds": self.last_round_seconds,
             "compute_utilization": self.compute_utilization(),
             "uptime_seconds": time.time() - self.started,
@@ -113,4 +119,6 @@ class PeerState:
             "maddrs": self.maddrs[:16],
             "rejected_contributions": self.rejected_contributions,
             "bans": self.bans,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
         }

@@ -113,7 +113,8 @@ class StepClock:
             self._last = (now, inner_step)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """A short human duration: 42s, 17m, 3.5h."""
     seconds = max(0.0, seconds)
     if seconds < 90:
         return f"{seconds:.0f}s"
@@ -138,7 +139,7 @@ def progress_line(state: PeerState, inner_steps: int, seconds_per_step: float | 
     elif state.phase == "syncing":
         parts.append("downloading θ_global")
     elif seconds_per_step is not None:
-        parts.append(f"sync in ~{_duration((inner_steps - state.round_steps) * seconds_per_step)}")
+        parts.append(f"sync in ~{duration((inner_steps - state.round_steps) * seconds_per_step)}")
     else:
         parts.append("sync in –")
     parts.append(f"{state.peers_known} peer{'s' if state.peers_known != 1 else ''}")

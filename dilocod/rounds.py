@@ -56,6 +56,7 @@ class RoundKeeper:
         self.cfg, self.state, self.metrics = cfg, state, metrics
         self.trainer, self.outer, self.group, self.daemon = trainer, outer, group, daemon
         self.bans, self.adversary = bans, adversary
+        self._round_bytes = (0, 0)  # payload bytes of the round being recorded
 
     # ---- one round -----------------------------------------------------------------------------------
     async def sync(self, stats: StepStats) -> None:
@@ -75,6 +76,8 @@ class RoundKeeper:
             }
         )
         outcome = await self.group.average(self.outer.step, ticket, sent)
+        self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
+        self._round_bytes = (outcome.bytes_sent, outcome.bytes_received)
         await self._judge(outcome)
         self.state.last_round_seconds = outcome.seconds
         self.metrics.round_seconds.observe(outcome.seconds)
@@ -95,6 +98,12 @@ class RoundKeeper:
             await self._catch_up_or_retry()
             return
         await self._no_group(delta, outcome.seconds)
+
+    def _count_bytes(self, sent: int, received: int) -> None:
+        self.state.bytes_sent += sent
+        self.state.bytes_received += received
+        self.metrics.bytes_sent.inc(sent)
+        self.metrics.bytes_received.inc(received)
 
     async def _judge(self, outcome: RoundOutcome) -> None:
         """Count and ban the peers this round caught: screened senders and implausible reducers."""
@@ -191,11 +200,14 @@ class RoundKeeper:
 
     def _record(self, result: str, group_size: int, seconds: float, eval_loss: float | None = None) -> None:
         loss = self.state.loss if result in ("ok", "alone") else None
+        sent, received = self._round_bytes
+        self._round_bytes = (0, 0)
         self.state.history.append(
             RoundRecord(
-                self.outer.step, result, group_size, round(seconds, 3), self.outer.sha256, loss, eval_loss
+                self.outer.step, result, group_size, round(seconds, 3), self.outer.sha256, loss, eval_loss,
+                sent, received,
             )
-        )
+        )  # fmt: skip
 
     def _after_new_global(self) -> None:
         self.state.round_steps = 0
@@ -240,6 +252,7 @@ class RoundKeeper:
             if downloaded is None:
                 break
             tried.append(downloaded.donor)
+            self._count_bytes(0, GroupAverager.payload_bytes(downloaded))
             verdict = await self._verify(downloaded, min_step)
             if verdict is None:
                 await self._adopt(downloaded)

@@ -16,6 +16,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from dilocod.progress import duration
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 TIMEOUT_SECONDS = 5.0
 STALE_SECONDS = 30.0
@@ -75,14 +77,7 @@ def _i(value: Any) -> str:
 
 
 def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    seconds = max(0.0, seconds)
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
+    return "–" if seconds is None else duration(seconds)
 
 
 def short_id(peer_id: str) -> str:

@@ -127,6 +127,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.check_part = check_part
         self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
         self.rejected_reducers: set[PeerID] = set()
+        # Tensor payload bytes on the wire this round (serialized parts and averages, both directions).
+        self.bytes_sent = 0
+        self.bytes_received = 0
         # Our own input for every part, by reducer: what a returned average is checked against.
         self._own_inputs = [
             tuple(part for part, _ in parts) for parts in self.tensor_part_container._input_parts_by_peer
@@ -140,6 +143,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Wrap the container's intake so every average from another reducer is checked first."""
 
         def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            if self.ordered_peer_ids[peer_index] != self.peer_id:
+                self.bytes_received += part.numel() * part.element_size()  # lossless fp32 on the wire
             # Our own reductions are checked too: in a group of two, statistics cannot outvote a liar.
             own = self._own_inputs[peer_index][part_index]
             plausible = part.shape == own.shape and part.dtype == torch.float32
@@ -153,6 +158,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             register(peer_index, part_index, part)
 
         return checked
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += len(message.tensor_part.buffer)
+            yield message
 
     @property
     def faulty_senders(self) -> set[PeerID]:
@@ -200,6 +210,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             async for message in stream:
                 if part_index >= self.tensor_part_reducer.num_parts:
                     break  # a sender that keeps talking past its parts is cut off (and banned below)
+                self.bytes_received += len(message.tensor_part.buffer)
                 received = await loop.run_in_executor(None, _deserialize_or_none, message.tensor_part)
                 part, weight = self._screen(
                     sender_index, part_index, received if received is not None else _BAD
@@ -214,6 +225,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if self.corrupt:
                     averaged = _garbage_like(averaged)
                 serialized = await loop.run_in_executor(None, _serialize_exact, averaged)
+                self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -138,6 +138,8 @@ class RunAverager(DecentralizedAverager):
                 screened=runner.screened_parts,
                 faulty=sorted(peer.to_base58() for peer in runner.faulty_senders),
                 rejected_reducers=sorted(peer.to_base58() for peer in runner.rejected_reducers),
+                bytes_sent=runner.bytes_sent,
+                bytes_received=runner.bytes_received,
             )
         except AllreduceException:
             raise

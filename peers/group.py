@@ -49,6 +49,8 @@ class RoundOutcome:
     faulty: tuple[str, ...] = ()  # senders whose contribution our reducer dropped
     rejected_reducers: tuple[str, ...] = ()  # reducers whose average we refused
     members: tuple[str, ...] = ()
+    bytes_sent: int = 0  # tensor payload bytes this round, both directions of the all-reduce
+    bytes_received: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ class GroupAverager:
             faulty=tuple(result.get("faulty", ())),
             rejected_reducers=tuple(result.get("rejected_reducers", ())),
             members=tuple(result["peers"]),
+            bytes_sent=int(result.get("bytes_sent", 0)),
+            bytes_received=int(result.get("bytes_received", 0)),
         )
 
     def set_banned(self, peer_ids: Sequence[str]) -> None:
@@ -202,6 +206,10 @@ class GroupAverager:
             return None
         donor, claimed, meta, tensors = result
         return DownloadedState(donor=donor, claimed_step=claimed, meta=meta, tensors=list(tensors))
+
+    @staticmethod
+    def payload_bytes(state: DownloadedState) -> int:
+        return len(state.meta) + sum(t.numel() * t.element_size() for t in state.tensors)
 
 
 def _failed(seconds: float, error: str, *, found_group: bool) -> RoundOutcome:

@@ -38,6 +38,9 @@ STATUS = Schema(
         # v2: trust counters, so a run-wide view shows who is rejecting whom.
         Field("rejected_contributions", "int", optional=True, min=0),
         Field("bans", "int", optional=True, min=0, max=100_000),
+        # v2: bytes on the wire, for the run-wide view of communication cost.
+        Field("bytes_sent", "int", optional=True, min=0),
+        Field("bytes_received", "int", optional=True, min=0),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -63,6 +66,7 @@ on data checked later (the round ticket, the state download's hash), never on th
 - maddrs: multiaddresses the sender listens on.
 - rejected_contributions (v2): contributions the sender dropped (screened or from a lying reducer).
 - bans (v2): peers the sender currently bans.
+- bytes_sent / bytes_received (v2): tensor payload bytes the sender sent / received since it started.
 """
 
 ROUND_TICKET = Schema(

@@ -11,29 +11,7 @@ from tests.conftest_netbed import netbed  # noqa: F401  (the network-namespace t
 from tests.harness import FAST, Swarm
 
 
-@pytest.fixture
-def swarm(tmp_path: Path) -> Iterator[Callable[..., Swarm]]:
-    """`swarm(n)`: a bootstrap plus n peers (tiny preset, fast settings), started through the CLI."""
-    made: list[Swarm] = []
-
-    def make(n: int, *extra: str, bootstrap: bool = True) -> Swarm:
-        s = Swarm(tmp_path / f"swarm-{len(made)}", overrides=(*FAST, *extra))
-        made.append(s)
-        if bootstrap:
-            s.start_bootstrap()
-        for _ in range(n):
-            s.add_peer()
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
-@pytest.fixture(scope="module")
-def module_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Swarm]]:
-    """`swarm` shared by the tests of one module: started on first use, reaped after the module's last test."""
-    root = tmp_path_factory.mktemp("module-swarm")
+def _swarm_factory(root: Path) -> tuple[Callable[..., Swarm], list[Swarm]]:
     made: list[Swarm] = []
 
     def make(n: int, *extra: str, bootstrap: bool = True) -> Swarm:
@@ -45,6 +23,22 @@ def module_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
             s.add_peer()
         return s
 
+    return make, made
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Callable[..., Swarm]]:
+    """`swarm(n)`: a bootstrap plus n peers (tiny preset, fast settings), started through the CLI."""
+    make, made = _swarm_factory(tmp_path)
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Swarm]]:
+    """`swarm` shared by the tests of one module: started on first use, reaped after the module's last test."""
+    make, made = _swarm_factory(tmp_path_factory.mktemp("module-swarm"))
     yield make
     for s in made:
         s.close()

@@ -65,6 +65,10 @@ def compare_at(attacked: dict[int, float], clean: dict[int, float], step: int) -
     return common[0], attacked[common[0]], clean[common[0]]
 
 
+def joined_a_group(peer: Proc) -> bool:
+    return any(e["result"] == "ok" and e["group_size"] >= 2 for e in peer.status()["rounds"])
+
+
 def stop(peer: Proc) -> None:
     peer.signal(signal.SIGKILL)
     peer.reap()
@@ -81,6 +85,9 @@ def test_centered_clip_holds_against_every_attack_and_mean_does_not(tmp_path: Pa
         episodes: list[tuple[str, int, str]] = []
         for mode in MODES:
             attacker = attacked.add_peer(f"adversary.mode={mode}")
+            attacked.wait_serving(attacker)
+            # The episode starts once the attacker has been in a group (it first has to catch up).
+            wait_for(f"the {mode} attacker to join a group", lambda a=attacker: joined_a_group(a), 240)
             begin = min_step(honest)
             attacked.wait_all_at(begin + EPISODE, timeout=240, peers=honest)
             attacker_id = attacker.status()["peer_id"]

@@ -90,6 +90,10 @@ def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverag
     outcomes = run_round(groups, 0, [encode_ticket(ticket(0, SHA_A))] * 3, inputs)
     assert all(o.found_group and o.complete and o.in_majority for o in outcomes), outcomes
     assert all(o.group_size == 3 and o.contributors == 3 for o in outcomes)
+    # Byte accounting matches the butterfly exactly: member i sends its other parts (N − s_i elements) and
+    # returns its s_i averaged elements to the 2 others, fp32 each way — 8·N·(n − 1) bytes in all.
+    assert sum(o.bytes_sent for o in outcomes) == sum(o.bytes_received for o in outcomes) == 8 * NUM * 2
+    assert all(o.bytes_sent == o.bytes_received for o in outcomes)
     results = [o.averaged for o in outcomes]
     assert all(r is not None for r in results)
     assert_same_bits(results[0], results[1])  # type: ignore[arg-type]

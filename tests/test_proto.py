@@ -66,6 +66,8 @@ status_records = st.fixed_dictionaries(
         "maddrs": st.lists(maddr, max_size=16),
         "rejected_contributions": st.none() | st.integers(0, INT64_MAX),
         "bans": st.none() | st.integers(0, 100_000),
+        "bytes_sent": st.none() | st.integers(0, INT64_MAX),
+        "bytes_received": st.none() | st.integers(0, INT64_MAX),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -131,6 +133,8 @@ def example(schema: Schema) -> dict[str, Any]:
             "maddrs": ["/ip4/1.2.3.4/tcp/31337", "/ip4/1.2.3.4/udp/31337/quic"],
             "rejected_contributions": 0,
             "bans": 0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
         }
     if schema is ROUND_TICKET:
         return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
