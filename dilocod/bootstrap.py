@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from dilocod import __version__
+from dilocod.config import Config
+from dilocod.helper import AuxReducer
 from dilocod.history import RunHistory
 from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
+from dilocod.runtime import install_stop_signals
 from dilocod.runview import read_run
 from peers.node import Node, NodeOptions, first_public_maddrs
 
@@ -33,6 +36,8 @@ class BootstrapArgs:
     identity_path: Path | None
     announce: tuple[str, ...] = ()
     initial_peers: tuple[str, ...] = ()
+    config: Config | None = None  # the run's config: model shapes and deadlines for the aux reducer
+    reduce: bool = True  # join every round as an auxiliary reducer (peers behind NAT need one)
 
 
 class BootstrapDaemon:
@@ -43,6 +48,7 @@ class BootstrapDaemon:
         self.node: Node | None = None
         self.http: HttpServer | None = None
         self.history = RunHistory()
+        self.aux: AuxReducer | None = None
         self.started = time.time()
         self._peers: list[dict[str, Any]] = []
 
@@ -64,18 +70,34 @@ class BootstrapDaemon:
             if self.args.identity_path is not None:
                 self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
             await loop.run_in_executor(None, self.node.start)
+            tasks = self._start_reducing()
             if self.args.http_port is not None:
                 self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
             self._announce()
             await self._watch_until_stopped()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             if self.http is not None:
                 await self.http.stop()
+            if self.aux is not None:
+                await loop.run_in_executor(None, self.aux.stop)
             if self.node is not None:
                 await loop.run_in_executor(None, self.node.stop)
         return 0
+
+    def _start_reducing(self) -> list[asyncio.Task[None]]:
+        if not self.args.reduce or self.node is None:
+            return []
+        self.aux = AuxReducer(self.node, self.args.config or Config())
+        # hivemind forks the averager from this (main) thread and resets SIGINT there: ours go back on.
+        self.aux.start()
+        install_stop_signals(self.stopping)
+        log.info("reducing for the run as an auxiliary peer (--no-reduce turns this off)")
+        return [asyncio.create_task(self.aux.serve(self.stopping, self.run_view))]
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.args.http_host in ("0.0.0.0", "::") else self.args.http_host

@@ -64,7 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--http-host", default="0.0.0.0", help="dashboard address (default 0.0.0.0)")
     boot.add_argument("--http-port", type=_port, help="serve the dashboard, /api/run and /metrics here")
-    boot.add_argument("--run-id", default=DEFAULT_RUN_ID, help=f"run to show (default {DEFAULT_RUN_ID})")
+    boot.add_argument("--run-id", help=f"the run to serve (default: the config's run.id, {DEFAULT_RUN_ID})")
+    boot.add_argument("--config", type=Path, help="the run's TOML config (model shapes and deadlines)")
+    boot.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    boot.add_argument(
+        "--no-reduce",
+        action="store_true",
+        help="do not reduce for the run (peers behind NAT then need another)",
+    )
     boot.add_argument("--maddr-file", type=Path, help="also write the multiaddrs to this file")
     boot.add_argument("--identity", type=Path, help="key file for a stable peer id across restarts")
     boot.add_argument("-v", "--verbose", action="store_true")
@@ -163,9 +170,11 @@ def _bootstrap(args: argparse.Namespace) -> int:
         parse_multiaddr(text)
     for text in args.announce:
         parse_multiaddr(text, need_peer_id=False)
+    overrides = [*args.overrides, *([f'run.id="{args.run_id}"'] if args.run_id is not None else [])]
+    config = load_config(args.config, overrides)
     setup_logging(None, verbose=args.verbose)
     boot_args = BootstrapArgs(
-        run_id=load_config(None, [f'run.id="{args.run_id}"']).run.id,
+        run_id=config.run.id,
         host=args.host,
         port=args.port,
         http_host=args.http_host,
@@ -174,6 +183,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         announce=tuple(args.announce),
         initial_peers=tuple(args.peers),
+        config=config,
+        reduce=not args.no_reduce,
     )
 
     async def _main() -> int:

@@ -184,8 +184,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or len(parts) != 2 or not all(parts):
         raise ConfigError(f"bad --set '{item}': expected section.key=value")
     section, name = parts
+    value: Any
     try:  # a TOML literal (number, bool, quoted string, array); otherwise the bare text is a string
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
+        value = _Bare(text.strip(), tomllib.loads(f"v = {text.strip()}")["v"])
     except tomllib.TOMLDecodeError:
         value = text.strip()
     target = raw.setdefault(section, {})
@@ -214,8 +215,22 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+@dataclass(frozen=True)
+class _Bare:
+    """A `--set` value as typed and as TOML reads it: `--set adversary.mode=nan` is the string "nan"
+    for a string key but NaN for a float key, `--set run.id=2024` the string "2024" for run.id."""
+
+    text: str
+    parsed: Any
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Accept `value` for a field of type `hint`, strictly (a bool is not a number, 1.5 is not an int)."""
+    if isinstance(value, _Bare):
+        text_ok = hint is str or (
+            typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint)
+        )
+        value = value.text if text_ok and not isinstance(value.parsed, str) else value.parsed
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)

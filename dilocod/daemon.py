@@ -28,6 +28,7 @@ from dilocod.bans import BanList
 from dilocod.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
+from dilocod.helper import HELPERS_KEY
 from dilocod.history import RunHistory
 from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
@@ -355,6 +356,15 @@ class PeerDaemon:
         if self.node is None or self.node.dht is None:
             return []
         return await read_run(self.node, self.metrics, self.history)
+
+    async def public_reducers(self) -> int:
+        """Live nodes of the run that can reduce for a private peer: public peers and helpers."""
+        if self.node is None or self.node.dht is None:
+            return 0
+        helpers = await read_run(self.node, key=HELPERS_KEY)
+        peers = await self.run_view()
+        public = [r for r in peers if r["reachability"] == "public" and r["peer_id"] != self.state.peer_id]
+        return len(helpers) + len(public)
 
     async def publish_status(self) -> None:
         if self.node is None or self.node.dht is None:

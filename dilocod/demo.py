@@ -69,7 +69,8 @@ class Swarm:
             _spawn(
                 ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
                  "--http-port", str(self.http_port), "--run-id", DEMO_RUN_ID, "--maddr-file", str(maddr_file),
-                 "--identity", str(self.args.run_dir / "bootstrap.key")],
+                 "--identity", str(self.args.run_dir / "bootstrap.key"), "--config", str(self.args.config),
+                 *[item for o in self.args.overrides for item in ("--set", o)]],
                 self.args.run_dir / "bootstrap.log",
             )
         )  # fmt: skip

@@ -83,7 +83,8 @@ class RoundKeeper:
         self.metrics.round_seconds.observe(outcome.seconds)
         if outcome.averaged is not None:
             result = "ok" if outcome.contributors > 1 else "alone"  # e.g. only an auxiliary reducer met us
-            await self._apply(outcome.averaged, result, outcome.group_size, outcome.seconds)
+            # group_size counts the trainers that averaged; auxiliary reducers are not part of it.
+            await self._apply(outcome.averaged, result, outcome.contributors, outcome.seconds)
             return
         if outcome.found_group and not outcome.in_majority and outcome.error is None:
             log.warning("our θ_global is not the group's at outer step %d: re-syncing", self.outer.step)
@@ -142,6 +143,12 @@ class RoundKeeper:
             await self.catch_up(force=True)
 
     async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> None:
+        if self.cfg.net.reachability == "private" and await self.daemon.public_reducers() == 0:
+            log.warning(
+                "no public reducer in run '%s': a peer behind NAT can only average through a public peer or "
+                "a reducing bootstrap/helper (run `dilocod bootstrap` without --no-reduce)",
+                self.cfg.run.id,
+            )
         others = await self._other_peers()
         if any(r["outer_step"] > self.outer.step for r in others):
             self._count_failure("no_group", 0, seconds)

@@ -13,7 +13,7 @@ STATUS_KEY = "status"
 
 
 async def read_run(
-    node: Node, metrics: Metrics | None = None, history: RunHistory | None = None
+    node: Node, metrics: Metrics | None = None, history: RunHistory | None = None, key: str = STATUS_KEY
 ) -> list[dict[str, Any]]:
     """Valid status records of this run, one per peer, sorted by peer id.
 
@@ -21,7 +21,7 @@ async def read_run(
     (one peer speaking for another) is dropped and counted, never raised. What is read updates the
     run-wide gauges of `metrics` and is added to `history` (the dashboard's charts).
     """
-    raw = await node.read_all(STATUS_KEY)
+    raw = await node.read_all(key)
     records = []
     for subkey, value in raw.items():
         try:

@@ -128,13 +128,16 @@ class Swarm:
     maddr: str = ""
     peers: list[Proc] = field(default_factory=list)
 
-    def start_bootstrap(self, run_id: str = "dilocod") -> str:
+    def start_bootstrap(self, run_id: str = "dilocod", *extra_args: str) -> str:
         maddr_file = self.root / "bootstrap.maddr"
         port = free_port()
+        # The bootstrap reduces for the run, so it gets the peers' config and overrides too.
+        sets = [item for o in self.overrides for item in ("--set", o)]
         self.bootstrap = Proc(
             "bootstrap",
             ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
-             "--http-port", str(port), "--run-id", run_id, "--maddr-file", str(maddr_file)],
+             "--http-port", str(port), "--run-id", run_id, "--maddr-file", str(maddr_file),
+             "--config", str(REPO / "configs" / "tiny.toml"), *sets, *extra_args],
             self.root / "bootstrap.log",
             port,
         )  # fmt: skip

@@ -208,7 +208,6 @@ def test_set_into_a_section_that_is_not_a_table(tmp_path: Path) -> None:
         ("outer.lr=fast", "outer.lr"),
         ("outer.nesterov=1", "outer.nesterov"),  # an int is not a bool
         ("outer.nesterov=yes", "outer.nesterov"),
-        ("run.id=2024", "run.id"),  # an unquoted number is a number, not a string
         ("net.announce=/ip4/1.2.3.4/tcp/5", "net.announce"),  # a string is not a list
         ("net.announce=[1, 2]", "net.announce"),
         ("trainer.inner_steps=[1]", "trainer.inner_steps"),
@@ -368,3 +367,16 @@ def test_infinite_outer_lr_is_rejected() -> None:
 
 def test_group_size_below_min_group_size_is_rejected() -> None:
     assert "averaging.group_size" in config_error(overrides=["averaging.group_size=1"])
+
+
+@pytest.mark.parametrize(
+    ("item", "section", "key", "expected"),
+    [
+        ("run.id=2024", "run", "id", "2024"),  # a string key takes the text as typed
+        ("adversary.mode=nan", "adversary", "mode", "nan"),
+        ("trainer.lr=1e-3", "trainer", "lr", 1e-3),  # a number key still reads the number
+    ],
+)
+def test_bare_set_value_is_read_for_the_key_type(item: str, section: str, key: str, expected: object) -> None:
+    config = load_config(None, [item])
+    assert getattr(getattr(config, section), key) == expected

@@ -1,0 +1,120 @@
+"""An auxiliary reducer: a public node that reduces parts of the all-reduce without training.
+
+Peers behind NAT run in client mode: they send and receive but accept no connections, so they
+cannot reduce, and a group of clients alone cannot average. A public node that joins each round as an
+auxiliary member (it reduces its share of the parts and contributes no weight) makes their rounds
+possible; the bootstrap is one by default. It follows the run's outer steps from the status records
+and publishes a small record under `<run>.helpers` so that private peers know reducers exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from dilocod import __version__
+from dilocod.config import Config
+from dilocod.trainer.model import PRESETS, Transformer
+from peers.group import AveragingOptions, GroupAverager
+from peers.node import Node
+from proto import encode_status, encode_ticket
+
+log = logging.getLogger("dilocod.helper")
+
+HELPERS_KEY = "helpers"
+IDLE_SECONDS = 1.0
+
+
+def parameter_shapes(preset: str) -> list[torch.Size]:
+    """The shapes of the preset's parameters, in state_dict order, without allocating them."""
+    with torch.device("meta"):
+        model = Transformer(PRESETS[preset])
+    return [p.shape for p in model.parameters()]
+
+
+class AuxReducer:
+    def __init__(self, node: Node, cfg: Config) -> None:
+        self.node, self.cfg = node, cfg
+        shapes = parameter_shapes(cfg.model.preset)
+        self.num_elements = sum(s.numel() for s in shapes)
+        self.template = [torch.zeros(s) for s in shapes]
+        avg = cfg.averaging
+        options = AveragingOptions(
+            target_group_size=avg.group_size + 1,  # one seat more: the helper takes no trainer's place
+            min_group_size=avg.min_group_size,
+            min_matchmaking_time=avg.min_matchmaking_time,
+            matchmaking_timeout=avg.matchmaking_timeout,
+            allreduce_timeout=avg.allreduce_timeout,
+            request_timeout=avg.request_timeout,
+            mode="aux",
+        )
+        self.group = GroupAverager(node, self.template, options, state_provider=None)
+        self.rounds_reduced = 0
+        self.last_step = -1
+
+    def start(self) -> None:
+        """Fork the averager (from the main thread: hivemind requires it)."""
+        self.group.start()
+
+    def stop(self) -> None:
+        self.group.stop()
+
+    async def serve(self, stopping: asyncio.Event, run_view: Any) -> None:
+        """Join every round the run's peers are about to run, until stopped."""
+        while not stopping.is_set():
+            try:
+                await self._publish()
+                step = self._target(await run_view())
+                if step is None:
+                    await asyncio.wait_for(stopping.wait(), IDLE_SECONDS)
+                    continue
+                outcome = await self.group.average(step, self._ticket(step), self.template)
+                if outcome.found_group and outcome.error is None:
+                    self.rounds_reduced += 1
+                    self.last_step = step
+                    log.info("reduced round %d for a group of %d", step, outcome.group_size)
+            except TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bad round must never stop the helper
+                log.warning("aux reducer round failed: %r", e)
+                await asyncio.sleep(IDLE_SECONDS)
+
+    def _target(self, records: list[dict[str, Any]]) -> int | None:
+        """The outer step most live peers are at, or the next one after the round we just reduced."""
+        steps = Counter(r["outer_step"] for r in records if r["role"] == "peer")
+        if not steps:
+            return None
+        common = steps.most_common(1)[0][0]
+        return max(common, self.last_step + 1) if self.last_step >= 0 else common
+
+    def _ticket(self, step: int) -> bytes:
+        return encode_ticket(
+            {"outer_step": step, "global_sha256": "0" * 64, "num_params": self.num_elements, "role": "helper"}
+        )
+
+    async def _publish(self) -> None:
+        record = {
+            "peer_id": self.node.peer_id,
+            "run_id": self.cfg.run.id,
+            "role": "helper",
+            "reachability": "public",
+            "outer_step": max(self.last_step, 0),
+            "inner_step": 0,
+            "tokens_per_second": 0.0,
+            "global_sha256": "0" * 64,
+            "group_size": 0,
+            "alone": False,
+            "rounds_ok": self.rounds_reduced,
+            "rounds_failed": 0,
+            "time": time.time(),
+            "version": __version__,
+            "maddrs": self.node.visible_maddrs()[:4],
+        }
+        await self.node.publish(HELPERS_KEY, encode_status(record), ttl=30.0)
