@@ -51,6 +51,13 @@ class BanAwareMatchmaking(Matchmaking):
 
     banned: frozenset[PeerID] = frozenset()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Group keys are set per round from the outer step (`round_group_bits`); hivemind's own re-bucketing
+        # after a group assembles is not used, and it fails when a group is larger than this peer's target
+        # size (an auxiliary reducer can make it so).
+        self.group_key_manager.update_key_on_group_assembled = _keep_group_key  # type: ignore[method-assign]
+
     def _check_reasons_to_reject(self, request: Any, context: Any) -> Any:
         if context.remote_id in self.banned:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -243,6 +250,10 @@ class RunAverager(DecentralizedAverager):
         from hivemind.utils import get_logger
 
         get_logger(__name__).info(f"state download from {donor} failed: {error!r}")
+
+
+async def _keep_group_key(_group_info: GroupInfo) -> None:
+    return None
 
 
 def _decode_gathered(

@@ -133,7 +133,8 @@ class GroupAverager:
 
     def set_state_step(self, outer_step: int) -> None:
         """Donors are ranked by the outer step they hold (verified by the downloader, not trusted)."""
-        self.averager.state_sharing_priority = float(outer_step)
+        if self.averager.allow_state_sharing:  # clients and auxiliary reducers serve no state
+            self.averager.state_sharing_priority = float(outer_step)
 
     async def average(self, round_index: int, ticket: bytes, tensors: Sequence[torch.Tensor]) -> RoundOutcome:
         """Average `tensors` with the peers at the same round; never waits past the configured deadlines."""
