@@ -188,7 +188,8 @@ class PeerDaemon:
         await loop.run_in_executor(None, self.node.start)
         avg = self.cfg.averaging
         options = AveragingOptions(
-            target_group_size=avg.group_size,
+            # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
+            target_group_size=avg.group_size + 1,
             min_group_size=avg.min_group_size,
             min_matchmaking_time=avg.min_matchmaking_time,
             matchmaking_timeout=avg.matchmaking_timeout,

@@ -141,7 +141,15 @@ def progress_line(statuses: list[dict[str, Any]]) -> str:
     )
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: DemoArgs) -> int:
+    # Ctrl-C and SIGTERM both stop the swarm cleanly, even when this process was started with SIGINT
+    # ignored (as a background job of a non-interactive shell is).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(args)
     started = time.monotonic()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dilocod import __version__
+from dilocod.aggregation.pipeline import make_part_reduce
 from dilocod.config import Config
 from dilocod.trainer.model import PRESETS, Transformer
 from peers.group import AveragingOptions, GroupAverager
@@ -45,13 +46,16 @@ class AuxReducer:
         self.template = [torch.zeros(s) for s in shapes]
         avg = cfg.averaging
         options = AveragingOptions(
-            target_group_size=avg.group_size + 1,  # one seat more: the helper takes no trainer's place
+            target_group_size=avg.group_size + 1,  # as the peers: the helper takes no trainer's seat
             min_group_size=avg.min_group_size,
             min_matchmaking_time=avg.min_matchmaking_time,
             matchmaking_timeout=avg.matchmaking_timeout,
             allreduce_timeout=avg.allreduce_timeout,
             request_timeout=avg.request_timeout,
             mode="aux",
+            # It reduces like every other reducer of the run: screened, robust (an honest peer would
+            # otherwise see its averages as implausible and ban it).
+            reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
         )
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         self.rounds_reduced = 0
