@@ -127,7 +127,12 @@ class RunAverager(DecentralizedAverager):
             weights = agree_weights(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
             if not any(weights):
                 raise AllreduceException("no member of the group holds a valid ticket")
-            download = [bw if mode != AveragingMode.CLIENT else 0.0 for bw, mode in zip(bandwidths, modes)]
+            # Only trusted members reduce: a member the group gave weight 0 (out of step, or banned by most)
+            # would otherwise still average a share of everybody's parts. Auxiliary reducers keep theirs.
+            download = [
+                bw if mode == AveragingMode.AUX or (mode != AveragingMode.CLIENT and weight > 0) else 0.0
+                for bw, mode, weight in zip(bandwidths, modes, weights)
+            ]
             fractions = await asyncio.get_running_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download, min_vector_size
             )
