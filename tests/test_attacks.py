@@ -1,7 +1,8 @@
 """Lying peers cannot poison the run: 4 real peers, one of them attacking through the protocol.
 
 Each attacked run (3 honest peers + 1 attacker, from the start) is compared with a clean run of the
-same length (4 honest peers): the honest peers' eval loss of θ_global at the same outer step. With
+same length without the attacker (the same 3 honest peers' worth of data): the honest peers' eval loss
+of θ_global, averaged over the same five outer steps (one step's small eval set is noisy). With
 `centered_clip` it stays within 5 %; with the undefended `mean` a sign-flipper wrecks the run, so the
 defense is shown to matter. A late joiner refuses a bad donor's poisoned state.
 
@@ -23,30 +24,38 @@ from tests.harness import FAST, Swarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-ROUNDS = 8
+ROUNDS = 10
+WINDOW = 5  # outer steps averaged: one step's small eval set is noisy
 ATTACK = (
     *FAST,
     "averaging.group_size=4",
     "averaging.min_matchmaking_time=3",
     "averaging.matchmaking_timeout=10",
+    "trainer.eval_batches=8",
 )
 
 
 def run_swarm(
     root: Path, attacker: str | None, *extra: str, rounds: int = ROUNDS
 ) -> tuple[Swarm, list[dict[str, Any]]]:
-    """3 honest peers (+ 1 attacker, or a 4th honest one) trained to outer step `rounds`."""
+    """3 honest peers (+ 1 attacker) trained to outer step `rounds`."""
     s = Swarm(root, overrides=(*ATTACK, *extra))
     try:
         s.start_bootstrap()
         # The attacker (peer-0) starts first, so that it is in the run from the first round on.
-        first = s.add_peer() if attacker is None else s.add_peer(f"adversary.mode={attacker}")
-        honest = [s.add_peer() for _ in range(3)] + ([first] if attacker is None else [])
+        if attacker is not None:
+            s.add_peer(f"adversary.mode={attacker}")
+        honest = [s.add_peer() for _ in range(3)]
         statuses = s.wait_all_at(rounds, timeout=400, peers=honest)
     except BaseException:
         s.close()  # the caller never sees a half-started swarm: reap it here
         raise
     return s, statuses
+
+
+def mean_eval(statuses: list[dict[str, Any]], last: int) -> float:
+    """Eval loss averaged over the WINDOW outer steps ending at `last`."""
+    return sum(eval_at(statuses, step) for step in range(last - WINDOW + 1, last + 1)) / WINDOW
 
 
 def eval_at(statuses: list[dict[str, Any]], step: int) -> float:
@@ -64,8 +73,9 @@ def evaluated(statuses: list[dict[str, Any]]) -> set[int]:
 
 
 def common_step(attacked: list[dict[str, Any]], clean: list[dict[str, Any]]) -> int:
-    """The latest step ≥ ROUNDS both runs evaluated (a peer that re-synced skipped evaluating)."""
-    steps = [s for s in evaluated(attacked) & evaluated(clean) if s >= ROUNDS]
+    """The latest step ≥ ROUNDS − 2 evaluated by both runs, with the WINDOW − 1 steps before it."""
+    both = evaluated(attacked) & evaluated(clean)
+    steps = [s for s in both if s >= ROUNDS - 2 and set(range(s - WINDOW + 1, s)) <= both]
     assert steps, f"no common evaluated step: {sorted(evaluated(attacked))} vs {sorted(evaluated(clean))}"
     return max(steps)
 
@@ -87,7 +97,7 @@ def test_centered_clip_keeps_honest_loss_within_5_percent(
     s, statuses = run_swarm(tmp_path, mode)
     try:
         step = common_step(statuses, clean)
-        loss, reference = eval_at(statuses, step), eval_at(clean, step)
+        loss, reference = mean_eval(statuses, step), mean_eval(clean, step)
         assert loss <= 1.05 * reference, f"{mode} at step {step}: honest {loss:.4f} vs clean {reference:.4f}"
         if mode != "alie":  # loud attacks are caught: refused and banned by an honest peer
             attacker = s.peers[0].status()["peer_id"]
