@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,7 +13,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from peers.allreduce import PartCheck, PartReduce
 from peers.averager import RunAverager, StateProvider, round_group_bits
 from peers.errors import PeersError
-from peers.node import Node
+from peers.node import Node, stop_child
 
 
 @dataclass(frozen=True)
@@ -115,13 +114,8 @@ class GroupAverager:
 
     def stop(self) -> None:
         averager, self._averager = self._averager, None
-        if averager is None:
-            return
-        with contextlib.suppress(Exception):
-            averager.shutdown()
-        averager.join(timeout=5)
-        if averager.is_alive():
-            averager.kill()
+        if averager is not None:
+            stop_child(averager, timeout=5)
 
     @property
     def in_allreduce(self) -> bool:

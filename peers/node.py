@@ -113,13 +113,8 @@ class Node:
     def stop(self) -> None:
         """Shut the DHT and its p2pd down, and make sure neither outlives us."""
         dht, self.dht = self.dht, None
-        if dht is None:
-            return
-        with contextlib.suppress(Exception):
-            dht.shutdown()
-        dht.join(timeout=10)
-        if dht.is_alive():
-            _kill(dht.pid)
+        if dht is not None:
+            stop_child(dht, timeout=10)
 
     # ---- identity ---------------------------------------------------------------------------------
     @property
@@ -172,11 +167,14 @@ class Node:
         return int(await asyncio.wrap_future(future))
 
 
-def _kill(pid: int | None) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+def stop_child(process: Any, timeout: float) -> None:
+    """Ask a hivemind child process (DHT, averager) to shut down; kill it if it has not gone in time."""
+    with contextlib.suppress(Exception):
+        process.shutdown()
+    process.join(timeout=timeout)
+    if process.is_alive() and process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
 
 
 def first_public_maddrs(maddrs: Sequence[str]) -> list[str]:

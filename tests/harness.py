@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from dilocod.demo import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -38,12 +39,6 @@ FAST = (
     "averaging.state_timeout=20",
     "net.status_interval=1",
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout: float = 3.0) -> Any:
