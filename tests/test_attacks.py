@@ -15,12 +15,15 @@ On 2 cores each run costs about a minute, so CI runs the attacks that exercise d
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hivemind.p2p import P2P
 
-from tests.harness import FAST, Swarm, wait_for
+from tests.harness import FAST, Proc, Swarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -35,6 +38,23 @@ ATTACK = (
 )
 
 
+IDENTITIES = Path(tempfile.mkdtemp(prefix="dilocod-attack-ids-"))
+
+
+def start_honest(s: Swarm, index: int) -> Proc:
+    """Honest peer `index`, with the same identity (so the same data shard and order) in every run:
+    the clean and attacked runs then differ by the attacker, not by which data each peer drew."""
+    key = IDENTITIES / f"honest-{index}.key"
+    if not key.exists():
+        P2P.generate_identity(str(key))
+    peer = s.add_peer(start=False)
+    assert peer.run_dir is not None
+    peer.run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(key, peer.run_dir / "identity.key")
+    peer.start()
+    return peer
+
+
 def run_swarm(
     root: Path, attacker: str | None, *extra: str, rounds: int = ROUNDS
 ) -> tuple[Swarm, list[dict[str, Any]]]:
@@ -45,7 +65,7 @@ def run_swarm(
         # The attacker (peer-0) starts first, so that it is in the run from the first round on.
         if attacker is not None:
             s.add_peer(f"adversary.mode={attacker}")
-        honest = [s.add_peer() for _ in range(3)]
+        honest = [start_honest(s, i) for i in range(3)]
         statuses = s.wait_all_at(rounds, timeout=400, peers=honest)
     except BaseException:
         s.close()  # the caller never sees a half-started swarm: reap it here
