@@ -14,7 +14,6 @@ import torch
 
 from dilocod.config import AdversaryConfig
 
-STALE_ROUNDS = 10
 ALIE_WINDOW = 10
 
 
@@ -22,8 +21,9 @@ class Adversary:
     def __init__(self, cfg: AdversaryConfig, seed: int) -> None:
         self.mode = cfg.mode
         self.z = cfg.alie_z
+        self.stale_rounds = cfg.stale_rounds
         self._generator = torch.Generator().manual_seed(seed + 7919)
-        self._history: deque[list[torch.Tensor]] = deque(maxlen=max(STALE_ROUNDS, ALIE_WINDOW) + 1)
+        self._history: deque[list[torch.Tensor]] = deque(maxlen=max(cfg.stale_rounds, ALIE_WINDOW) + 1)
         self._direction: list[torch.Tensor] | None = None
 
     @property
@@ -47,8 +47,8 @@ class Adversary:
             return self._random_direction(delta)
         if self.mode == "stale":
             return (
-                self._history[0]
-                if len(self._history) > STALE_ROUNDS
+                self._history[-1 - self.stale_rounds]
+                if len(self._history) > self.stale_rounds
                 else [torch.zeros_like(d) for d in delta]
             )
         if self.mode == "alie":

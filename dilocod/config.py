@@ -106,10 +106,13 @@ class AdversaryConfig:
 
     mode: str = "none"
     alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
+    stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
 
     def validate(self) -> None:
         if self.mode not in ADVERSARY_MODES:
             raise ValueError(f"adversary.mode must be one of {', '.join(ADVERSARY_MODES)}, got '{self.mode}'")
+        if self.stale_rounds < 1:
+            raise ValueError(f"adversary.stale_rounds must be >= 1, got {self.stale_rounds}")
 
 
 @dataclass(frozen=True)

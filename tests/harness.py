@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,9 +146,13 @@ class Swarm:
         self.maddr = text.split()[0]
         return self.maddr
 
-    def add_peer(self, *extra: str, start: bool = True) -> Proc:
+    def add_peer(self, *extra: str, start: bool = True, identity: Path | None = None) -> Proc:
+        """A `dilocod join` peer; `identity` (a key file) pins its peer ID, so its data shard too."""
         index = len(self.peers)
         run_dir = self.root / f"peer-{index}"
+        if identity is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(identity, run_dir / "identity.key")
         port = free_port()
         sets = [item for o in (*self.overrides, *extra) for item in ("--set", o)]
         initial = [self.maddr] if self.maddr else []

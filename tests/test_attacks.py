@@ -6,98 +6,39 @@ of θ_global, averaged over the same five outer steps (one step's small eval set
 `centered_clip` it stays within 5 %; with the undefended `mean` a sign-flipper wrecks the run, so the
 defense is shown to matter. A late joiner refuses a bad donor's poisoned state.
 
-On 2 cores each run costs about a minute, so CI runs the attacks that exercise distinct defenses:
-`sign_flip` (norm screening + robust reduction), `alie` (a stealthy attack that passes screening), and
-`bad_reducer` (receiver-side checking and bans). Every mode, against every reducer, is in
-`bench/attacks.py`.
+Every adversary mode runs here against the default reducer; each run costs about a minute on 2 cores.
+The loud attacks (`sign_flip`, `random_direction`, `scale`, `nan`, `bad_reducer`) must also be caught:
+refused by an honest peer and banned. `alie` and `stale` send plausible values that no screen can tell
+from honest noise; robust reduction alone has to bound them. Every mode against every reducer, and with
+8 peers / 2 attackers, is in `bench/attacks.py`.
 """
 
 from __future__ import annotations
 
-import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hivemind.p2p import P2P
 
-from tests.harness import FAST, Proc, Swarm, wait_for
+from tests.attackrun import ATTACK, common_step, eval_at, evaluated, mean_eval, start_run
+from tests.harness import Swarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ROUNDS = 10
-WINDOW = 5  # outer steps averaged: one step's small eval set is noisy
-ATTACK = (
-    *FAST,
-    "averaging.group_size=4",
-    "averaging.min_matchmaking_time=3",
-    "averaging.matchmaking_timeout=10",
-    "trainer.eval_batches=8",
-)
-
-
-IDENTITIES = Path(tempfile.mkdtemp(prefix="dilocod-attack-ids-"))
-
-
-def start_honest(s: Swarm, index: int) -> Proc:
-    """Honest peer `index`, with the same identity (so the same data shard and order) in every run:
-    the clean and attacked runs then differ by the attacker, not by which data each peer drew."""
-    key = IDENTITIES / f"honest-{index}.key"
-    if not key.exists():
-        P2P.generate_identity(str(key))
-    peer = s.add_peer(start=False)
-    assert peer.run_dir is not None
-    peer.run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(key, peer.run_dir / "identity.key")
-    peer.start()
-    return peer
 
 
 def run_swarm(
     root: Path, attacker: str | None, *extra: str, rounds: int = ROUNDS
 ) -> tuple[Swarm, list[dict[str, Any]]]:
-    """3 honest peers (+ 1 attacker) trained to outer step `rounds`."""
-    s = Swarm(root, overrides=(*ATTACK, *extra))
+    """3 honest peers (+ 1 attacker, peer-0) trained to outer step `rounds`."""
+    s = start_run(root, 3, 1, attacker, *extra)
     try:
-        s.start_bootstrap()
-        # The attacker (peer-0) starts first, so that it is in the run from the first round on.
-        if attacker is not None:
-            s.add_peer(f"adversary.mode={attacker}")
-        honest = [start_honest(s, i) for i in range(3)]
-        statuses = s.wait_all_at(rounds, timeout=400, peers=honest)
+        statuses = s.wait_all_at(rounds, timeout=400, peers=s.peers[-3:])
     except BaseException:
-        s.close()  # the caller never sees a half-started swarm: reap it here
+        s.close()
         raise
     return s, statuses
-
-
-def mean_eval(statuses: list[dict[str, Any]], last: int) -> float:
-    """Eval loss averaged over the WINDOW outer steps ending at `last`."""
-    return sum(eval_at(statuses, step) for step in range(last - WINDOW + 1, last + 1)) / WINDOW
-
-
-def eval_at(statuses: list[dict[str, Any]], step: int) -> float:
-    """The honest peers' eval loss of θ_global after outer step `step` (the first who recorded it)."""
-    for status in statuses:
-        for entry in status["rounds"]:
-            if entry["outer_step"] == step and entry["result"] in ("ok", "alone"):
-                value = entry["eval_loss"]
-                return math.inf if value is None else float(value)
-    raise AssertionError(f"no honest peer evaluated outer step {step}")
-
-
-def evaluated(statuses: list[dict[str, Any]]) -> set[int]:
-    return {e["outer_step"] for s in statuses for e in s["rounds"] if e["result"] in ("ok", "alone")}
-
-
-def common_step(attacked: list[dict[str, Any]], clean: list[dict[str, Any]]) -> int:
-    """The latest step ≥ ROUNDS − 2 evaluated by both runs, with the WINDOW − 1 steps before it."""
-    both = evaluated(attacked) & evaluated(clean)
-    steps = [s for s in both if s >= ROUNDS - 2 and set(range(s - WINDOW + 1, s)) <= both]
-    assert steps, f"no common evaluated step: {sorted(evaluated(attacked))} vs {sorted(evaluated(clean))}"
-    return max(steps)
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +51,20 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         s.close()  # its statuses hold the history; the swarm itself must not keep using the CPU
 
 
-@pytest.mark.parametrize("mode", ["sign_flip", "alie", "bad_reducer"])
+LOUD = ["sign_flip", "random_direction", "scale", "nan", "bad_reducer"]
+STEALTHY = ["stale", "alie"]
+
+
+@pytest.mark.parametrize("mode", LOUD + STEALTHY)
 def test_centered_clip_keeps_honest_loss_within_5_percent(
     mode: str, clean: list[dict[str, Any]], tmp_path: Path
 ) -> None:
     s, statuses = run_swarm(tmp_path, mode)
     try:
-        step = common_step(statuses, clean)
+        step = common_step(statuses, clean, ROUNDS)
         loss, reference = mean_eval(statuses, step), mean_eval(clean, step)
         assert loss <= 1.05 * reference, f"{mode} at step {step}: honest {loss:.4f} vs clean {reference:.4f}"
-        if mode != "alie":  # loud attacks are caught: refused and banned by an honest peer
+        if mode in LOUD:  # loud attacks are caught: refused and banned by an honest peer
             attacker = s.peers[0].status()["peer_id"]
             honest = [p.status() for p in s.peers[1:]]
             assert any(attacker in h["banned"] for h in honest), [h["banned"] for h in honest]
@@ -140,7 +85,7 @@ def test_mean_is_wrecked_by_sign_flip(clean: list[dict[str, Any]], tmp_path: Pat
 
 
 def test_bad_donor_state_is_refused(tmp_path: Path) -> None:
-    s = Swarm(tmp_path, overrides=ATTACK)
+    s = Swarm(tmp_path, overrides=(*ATTACK, "averaging.group_size=4"))
     try:
         s.start_bootstrap()
         honest = [s.add_peer() for _ in range(3)]
