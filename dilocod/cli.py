@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("--port", type=_port, help="listen port (overrides net.port)")
     join.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API (default 127.0.0.1)")
     join.add_argument("--http-port", type=_port, help="serve /metrics and /api/status on this port")
+    join.add_argument(
+        "--devices",
+        metavar="N|auto",
+        help="local devices training as this one peer (overrides trainer.devices; auto = every GPU, 1 on CPU)",
+    )
     join.add_argument("-v", "--verbose", action="store_true")
 
     boot = sub.add_parser("bootstrap", help="run a public bootstrap node with the run dashboard")
@@ -131,18 +136,26 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _join(args: argparse.Namespace) -> int:
-    from dilocod.config import load_config
-    from dilocod.daemon import PeerArgs, PeerDaemon
-    from dilocod.runtime import install_stop_signals, run_main, setup_logging
-    from peers.node import parse_multiaddr
-
+def join_overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` items plus what the join flags override (checked by the config like any other value)."""
     overrides = list(args.overrides)
     if args.host is not None:
         overrides.append(f'net.host="{args.host}"')
     if args.port is not None:
         overrides.append(f"net.port={args.port}")
-    config = load_config(args.config, overrides)
+    if args.devices is not None:
+        overrides.append(f"trainer.devices={args.devices}")
+    return overrides
+
+
+def _join(args: argparse.Namespace) -> int:
+    from dilocod.config import load_config
+    from dilocod.daemon import PeerArgs, PeerDaemon
+    from dilocod.runtime import install_stop_signals, run_main, setup_logging
+    from dilocod.trainer import LocalGroupError
+    from peers.node import parse_multiaddr
+
+    config = load_config(args.config, join_overrides(args))
     for text in args.peers:
         parse_multiaddr(text)
     run_dir = args.run_dir or Path("runs") / config.run.id
@@ -158,6 +171,8 @@ def _join(args: argparse.Namespace) -> int:
         return run_main(_main())
     except ValueError as e:  # a checkpoint of another run, a state mismatch: the user's to fix
         return _fail(str(e).split("\n")[0], EXIT_USAGE)
+    except LocalGroupError as e:  # a local worker died (its own traceback is above)
+        return _fail(str(e), EXIT_NETWORK)
 
 
 def _bootstrap(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
+from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.inner import TrainerConfig
@@ -62,12 +63,17 @@ class AveragingConfig:
     clip_tol: float = 1e-6
     screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
     ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
+    compression: str = "none"  # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts travel
 
     def reducer_config(self) -> ReducerConfig:
         return ReducerConfig(self.reducer, self.trim_fraction, self.clip_tau, self.clip_iters, self.clip_tol)
 
     def screening_config(self) -> ScreeningConfig:
         return ScreeningConfig(self.screen_norm_ratio)
+
+    def wire_codec(self) -> Codec | None:
+        """The codec parts travel with; None for `none` (exact fp32 messages, as before codecs existed)."""
+        return None if self.compression == "none" else make_codec(self.compression)
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -91,6 +97,10 @@ class AveragingConfig:
             raise ValueError(f"averaging.state_timeout must be > 0, got {self.state_timeout}")
         if not self.ban_seconds > 0:
             raise ValueError(f"averaging.ban_seconds must be > 0, got {self.ban_seconds}")
+        if self.compression not in CODEC_NAMES:
+            raise ValueError(
+                f"averaging.compression must be one of {', '.join(CODEC_NAMES)}, got '{self.compression}'"
+            )
         self.reducer_config().validate()
         self.screening_config().validate()
 
@@ -229,19 +239,11 @@ class _Bare:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Accept `value` for a field of type `hint`, strictly (a bool is not a number, 1.5 is not an int)."""
-    if isinstance(value, _Bare):
-        text_ok = hint is str or (
-            typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint)
-        )
-        value = value.text if text_ok and not isinstance(value.parsed, str) else value.parsed
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is not type(None):
-                return _coerce(value, option, key)
+        return _coerce_union(value, typing.get_args(hint), key)
+    if isinstance(value, _Bare):
+        value = value.text if hint is str and not isinstance(value.parsed, str) else value.parsed
     if hint is bool and isinstance(value, bool):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
@@ -252,10 +254,31 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return value
     if origin is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        hint, "a list of strings" if origin is tuple else str(hint)
-    )
+    expected = _EXPECTED.get(hint, "a list of strings" if origin is tuple else str(hint))
     raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
+
+
+def _coerce_union(value: Any, options: tuple[Any, ...], key: str) -> Any:
+    """The first option that accepts `value`, in declaration order (`int | str`: `--set x=2` is 2, `x=auto`
+    is "auto"); with str the last resort, a bare `--set` word is text rather than what TOML makes of it."""
+    parsed = value.parsed if isinstance(value, _Bare) else value
+    if parsed is None and type(None) in options:
+        return None
+    kinds = [option for option in options if option is not type(None)]
+    for option in kinds:
+        if option is str and isinstance(value, _Bare):
+            return value.text if not isinstance(value.parsed, str) else value.parsed
+        try:
+            return _coerce(value, option, key)
+        except ConfigError:
+            continue
+    if len(kinds) == 1:
+        return _coerce(value, kinds[0], key)  # raises the single type's own message
+    expected = " or ".join(_EXPECTED.get(option, str(option)) for option in kinds)
+    raise ConfigError(f"config key '{key}' must be {expected}, got {parsed!r}")
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:

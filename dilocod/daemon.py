@@ -26,6 +26,7 @@ from dilocod.adversary import Adversary
 from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.bans import BanList
 from dilocod.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.helper import HELPERS_KEY
@@ -37,7 +38,7 @@ from dilocod.progress import show_progress
 from dilocod.rounds import RoundKeeper
 from dilocod.runtime import install_stop_signals
 from dilocod.runview import STATUS_KEY, read_run
-from dilocod.trainer import InnerTrainer, StepStats
+from dilocod.trainer import InnerTrainer, LocalGroup, StepStats
 from peers.group import AveragingOptions, GroupAverager
 from peers.node import Node, NodeOptions
 from proto import encode_status
@@ -64,10 +65,14 @@ class PeerDaemon:
         self.cfg = args.config
         self.metrics = Metrics()
         self.state = PeerState(run_id=self.cfg.run.id)
+        # Read at every scrape, so it keeps moving while the peer averages or re-syncs.
+        self.metrics.compute_utilization.set_function(self.state.compute_utilization)
         self.stopping = asyncio.Event()
         self.train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self.trainer: InnerTrainer | None = None
+        self.local_group: LocalGroup | None = None  # ranks 1..N-1 when the peer trains on N devices
         self.outer: OuterOptimizer | None = None
+        self.feedback: ErrorFeedback | None = None  # error-feedback residual (int4/int2 compression)
         self.node: Node | None = None
         self.group: GroupAverager | None = None
         self.http: HttpServer | None = None
@@ -98,6 +103,9 @@ class PeerDaemon:
         checkpoint = await loop.run_in_executor(None, load_checkpoint, self.args.run_dir)
         await loop.run_in_executor(self.train_pool, self._build_trainer, checkpoint)
         await self._start_network()
+        # After the network: hivemind forks its children from this process, and they need no copy of
+        # the local group's sockets and threads.
+        await loop.run_in_executor(self.train_pool, self._start_local_group)
         await self._start_http()
         assert self.trainer is not None and self.outer is not None and self.group is not None
         self.rounds = RoundKeeper(
@@ -110,6 +118,7 @@ class PeerDaemon:
             self,
             self.bans,
             self.adversary,
+            feedback=self.feedback,
         )
         self.rounds.share_state()
         self._tasks.append(asyncio.create_task(self._publish_status_forever()))
@@ -129,6 +138,8 @@ class PeerDaemon:
         # The data order is tied to our persistent identity, so it survives restarts.
         trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=self._peer_key())
         outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
+        if trainer.device.type == "cuda":
+            outer.pin_memory()
         if checkpoint is not None:
             try:
                 self._restore(checkpoint, trainer, outer)
@@ -136,9 +147,24 @@ class PeerDaemon:
                 path = self.args.run_dir / "checkpoint.pt"
                 reason = str(e).split("\n")[0]
                 raise CheckpointError(f"checkpoint {path} cannot be resumed: {reason}") from None
+        self.feedback = self._make_feedback(outer, checkpoint)
         # Only now: a daemon that failed to restore must not overwrite the checkpoint at shutdown.
         self.trainer, self.outer = trainer, outer
         self._sync_state_counters()
+
+    def _start_local_group(self) -> None:
+        """Runs in the trainer thread: with N > 1 devices, start ranks 1..N-1 and give them our state."""
+        assert self.trainer is not None
+        if len(self.trainer.devices) > 1:
+            self.local_group = LocalGroup(self.trainer)
+            self.local_group.start()
+            log.info(
+                "training on %d local devices (%s); workers: pids %s",
+                self.trainer.world_size,
+                ", ".join(str(d) for d in self.trainer.devices),
+                ", ".join(str(pid) for pid in self.local_group.pids),
+            )
+        self.state.devices = self.trainer.world_size
 
     def _restore(self, checkpoint: dict[str, Any], trainer: InnerTrainer, outer: OuterOptimizer) -> None:
         if checkpoint.get("run_id") != self.cfg.run.id or checkpoint.get("preset") != self.cfg.model.preset:
@@ -156,6 +182,23 @@ class PeerDaemon:
         self.state.rounds_failed = int(counters.get("rounds_failed", 0))
         self.state.resyncs = int(counters.get("resyncs", 0))
         log.info("resumed from checkpoint at outer step %d, inner step %d", outer.step, trainer.step)
+
+    def _make_feedback(
+        self, outer: OuterOptimizer, checkpoint: dict[str, Any] | None
+    ) -> ErrorFeedback | None:
+        """Error feedback for the coarse codecs; the residual resumes from the checkpoint when it fits."""
+        if self.cfg.averaging.compression not in FEEDBACK_CODECS:
+            return None
+        feedback = ErrorFeedback([p.shape for p in outer.params])
+        saved = (checkpoint or {}).get("error_feedback")
+        if saved is not None:
+            try:
+                feedback.load_state_dict(saved)
+            except ValueError as e:  # harmless: the residual only delays what the codec dropped
+                log.warning("checkpoint's error-feedback residual not resumed (%s); starting from zero", e)
+            if not math.isfinite(feedback.norm()):
+                feedback.reset()
+        return feedback
 
     def _peer_key(self) -> str:
         """A stable per-identity key for data sharding, known before the DHT starts."""
@@ -199,6 +242,7 @@ class PeerDaemon:
             reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
             # `mean` is the undefended baseline: no receiver-side check either.
             check_part=make_part_check(avg.screening_config()) if avg.reducer != "mean" else None,
+            codec=avg.wire_codec(),
             corrupt_reductions=self.adversary.corrupt_reductions,
         )
         self.group = GroupAverager(self.node, self.outer.params, options, self._current_state)
@@ -255,6 +299,8 @@ class PeerDaemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.rounds is not None:  # delayed overlap: a round may still be averaging in the background
+            await self.rounds.drain(STOP_GRACE_SECONDS)
         if self.trainer is not None and self.outer is not None:
             try:
                 await self.checkpoint()
@@ -267,6 +313,8 @@ class PeerDaemon:
             await loop.run_in_executor(None, self.group.stop)
         if self.node is not None:
             await loop.run_in_executor(None, self.node.stop)
+        if self.local_group is not None:
+            await loop.run_in_executor(self.train_pool, self.local_group.stop)
         self.train_pool.shutdown(wait=True, cancel_futures=True)
         if self.node is not None:  # a daemon that never started says nothing more than its error
             log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
@@ -279,21 +327,25 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         trainer = self.trainer
         stopping = self.stopping
-        started = time.monotonic()
 
         def _on_step(step: int, loss: float) -> None:
             loop.call_soon_threadsafe(self._count_step, step, loss)
 
-        stats = await loop.run_in_executor(
-            self.train_pool, lambda: trainer.train_steps(steps, should_stop=stopping.is_set, on_step=_on_step)
-        )
-        self.state.train_seconds += time.monotonic() - started
+        self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
+        try:
+            stats = await loop.run_in_executor(
+                self.train_pool,
+                lambda: trainer.train_steps(steps, should_stop=stopping.is_set, on_step=_on_step),
+            )
+        finally:
+            self.state.training_ended(time.monotonic())
         self.state.round_steps += stats.steps
         if stats.steps:
             self.state.tokens_per_second = stats.tokens / max(stats.seconds, 1e-9)
             self.metrics.tokens_per_second.set(self.state.tokens_per_second)
+            self.state.mfu = trainer.mfu(self.state.tokens_per_second)
+            self.metrics.mfu.set(math.nan if self.state.mfu is None else self.state.mfu)
             self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
-        self.metrics.compute_utilization.set(self.state.compute_utilization())
         return stats
 
     def _count_step(self, step: int, loss: float) -> None:
@@ -341,6 +393,7 @@ class PeerDaemon:
                 "sha256": self.outer.sha256,
             },
             "trainer": self.trainer.state_dict(),
+            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
             "counters": {
                 "round_steps": self.state.round_steps,
                 "rounds_ok": self.state.rounds_ok,

@@ -56,6 +56,7 @@ class AuxReducer:
             # It reduces like every other reducer of the run: screened, robust (an honest peer would
             # otherwise see its averages as implausible and ban it).
             reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
+            codec=avg.wire_codec(),  # the run's codec: it decodes, reduces and re-encodes like every reducer
         )
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         self.rounds_reduced = 0

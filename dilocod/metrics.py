@@ -27,6 +27,12 @@ class Metrics:
         self.tokens_per_second = Gauge(
             "dilocod_tokens_per_second", "Training throughput (tokens/s)", registry=r
         )
+        self.mfu = Gauge(
+            "dilocod_mfu",
+            "Model FLOPs utilization: model FLOP/s over the devices' peak (0-1); NaN when the peak is unknown",
+            registry=r,
+        )
+        self.mfu.set(math.nan)  # unknown until measured, and for good on a CPU without trainer.peak_flops
         self.tokens = Counter("dilocod_tokens", "Tokens trained on", registry=r)
         self.inner_steps = Counter("dilocod_inner_steps", "Inner optimizer steps taken", registry=r)
         self.inner_step_seconds = Histogram(

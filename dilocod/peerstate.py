@@ -40,6 +40,8 @@ class PeerState:
     loss: float = math.nan
     eval_loss: float | None = None
     tokens_per_second: float = 0.0
+    mfu: float | None = None  # model FLOPs utilization; None when the devices' peak is unknown (CPU)
+    devices: int = 1  # local devices training together as this one peer
     global_sha256: str = "0" * 64
     group_size: int = 0
     alone: bool = False
@@ -55,12 +57,36 @@ class PeerState:
     last_round_seconds: float | None = None
     phase: str = "starting"  # starting | training | averaging | syncing | stopping
     started: float = field(default_factory=time.time)
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # wall time spent in finished stretches of inner steps
+    training_since: float | None = None  # time.monotonic() when the first inner step began
+    stretch_since: float | None = None  # ... when the stretch of inner steps now running began
     history: deque[RoundRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
-    def compute_utilization(self) -> float:
-        wall = time.time() - self.started
-        return min(1.0, self.train_seconds / wall) if wall > 0 else 0.0
+    def training_began(self, now: float) -> None:
+        """A stretch of inner steps starts (`now` from time.monotonic())."""
+        if self.training_since is None:
+            self.training_since = now
+        self.stretch_since = now
+
+    def training_ended(self, now: float) -> None:
+        if self.stretch_since is not None:
+            self.train_seconds += max(0.0, now - self.stretch_since)
+            self.stretch_since = None
+
+    def compute_utilization(self, now: float | None = None) -> float:
+        """Time in inner steps ÷ wall time since the first inner step began, in [0, 1] (0 before that).
+
+        Cumulative over the whole time this process has trained (not a sliding window); the stretch of
+        steps running now counts up to `now`, so the value does not sag during a long stretch.
+        """
+        if self.training_since is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        busy = self.train_seconds + (
+            max(0.0, now - self.stretch_since) if self.stretch_since is not None else 0.0
+        )
+        wall = now - self.training_since
+        return min(1.0, busy / wall) if wall > 0 else 0.0
 
     def status(self) -> dict[str, Any]:
         """The `/api/status` object."""
@@ -77,6 +103,8 @@ class PeerState:
             "loss": self.loss,
             "eval_loss": self.eval_loss,
             "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "devices": self.devices,
             "global_sha256": self.global_sha256,
             "group_size": self.group_size,
             "alone": self.alone,
@@ -121,4 +149,5 @@ class PeerState:
             "bans": self.bans,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "compute_utilization": self.compute_utilization(),
         }

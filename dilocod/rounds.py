@@ -9,11 +9,19 @@ The rules, which keep every group member's θ_global bit-identical:
   contributes again;
 - a peer that found no group keeps its inner progress and tries again after H more steps, unless no
   other peer of the run is alive: then it is alone and applies its own pseudo-gradient.
+
+With error feedback (int4/int2 compression) a peer sends Δ + e, where e is what the codec dropped from its
+earlier contributions, and after an applied round keeps e ← (Δ + e) − decode(encode(Δ + e)). Encoding
+tensor by tensor here gives exactly what the all-reduce sent part by part (parts start on block
+boundaries, see `peers/allreduce.py`). A round that was not applied leaves e as it was (the next Δ is
+measured from the same θ_global and includes this one); applying alone pays e back in full (e ← 0);
+adopting another peer's θ_global forgets it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -23,6 +31,7 @@ import torch
 
 from dilocod.adversary import Adversary
 from dilocod.bans import BanList
+from dilocod.codecs import CodecError, ErrorFeedback, roundtrip
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer, global_sha256
 from dilocod.metrics import Metrics
@@ -52,19 +61,43 @@ class RoundKeeper:
         daemon: PeerDaemon,
         bans: BanList,
         adversary: Adversary,
+        *,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         self.cfg, self.state, self.metrics = cfg, state, metrics
         self.trainer, self.outer, self.group, self.daemon = trainer, outer, group, daemon
         self.bans, self.adversary = bans, adversary
+        self.feedback = feedback  # touched in the trainer thread only (checkpoints read it there)
+        self.codec = cfg.averaging.wire_codec()
         self._round_bytes = (0, 0)  # payload bytes of the round being recorded
+        # delayed overlap: the round averaging in the background (raw progress, what we sent, its task),
+        # where the working copy started this round (None: θ_global), and the progress to keep on top of
+        # θ_global when a late outer step lands
+        self._inflight: tuple[list[torch.Tensor], list[torch.Tensor], asyncio.Task[RoundOutcome]] | None = (
+            None
+        )
+        self._start: list[torch.Tensor] | None = None
+        self._carry: list[torch.Tensor] | None = None
 
     # ---- one round -----------------------------------------------------------------------------------
     async def sync(self, stats: StepStats) -> None:
-        """Average this round's pseudo-gradient with a group and apply the outer step."""
-        self.state.phase = "averaging"
+        """End of H inner steps: average this round's pseudo-gradient with a group, apply the outer step."""
         self.state.loss = stats.mean_loss if stats.steps else self.state.loss
+        if self.cfg.outer.overlap == "delayed":
+            await self._sync_delayed()
+            return
+        self.state.phase = "averaging"
         local = await self._in_trainer(self.trainer.working_params_fp32)
-        delta = self.outer.pseudo_gradient(local)
+        raw = self.outer.pseudo_gradient(local)
+        delta, task = await self._send(raw)
+        await self._settle(await task, delta)
+
+    async def _send(self, raw: list[torch.Tensor]) -> tuple[list[torch.Tensor], asyncio.Task[RoundOutcome]]:
+        """Start averaging `raw` (+ the error-feedback residual) at our outer step; returns what we sent
+        honestly (Δ + e) and the round's task."""
+        delta = raw
+        if self.feedback is not None:  # Δ + e: what the codec dropped before is sent again
+            delta = await self._in_trainer(functools.partial(self.feedback.compensate, raw))
         sent = self.adversary.corrupt_delta(delta) if self.adversary.active else delta
         ticket = encode_ticket(
             {
@@ -75,7 +108,11 @@ class RoundKeeper:
                 "bans": self.bans.peer_ids()[-32:],
             }
         )
-        outcome = await self.group.average(self.outer.step, ticket, sent)
+        return delta, asyncio.create_task(self.group.average(self.outer.step, ticket, sent))
+
+    async def _settle(self, outcome: RoundOutcome, delta: list[torch.Tensor]) -> str:
+        """Act on a round's outcome: "applied" (a new θ_global), "adopted" (re-synced from a peer: our
+        progress is gone) or "kept" (nothing changed: our progress waits for the next round)."""
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
         self._round_bytes = (outcome.bytes_sent, outcome.bytes_received)
         await self._judge(outcome)
@@ -84,21 +121,61 @@ class RoundKeeper:
         if outcome.averaged is not None:
             result = "ok" if outcome.contributors > 1 else "alone"  # e.g. only an auxiliary reducer met us
             # group_size counts the trainers that averaged; auxiliary reducers are not part of it.
-            await self._apply(outcome.averaged, result, outcome.contributors, outcome.seconds)
-            return
+            await self._apply(outcome.averaged, result, outcome.contributors, outcome.seconds, sent=delta)
+            return "applied"
         if outcome.found_group and not outcome.in_majority and outcome.error is None:
             log.warning("our θ_global is not the group's at outer step %d: re-syncing", self.outer.step)
             self._count_failure("diverged", outcome.group_size, outcome.seconds)
-            await self._catch_up_or_retry(force=True)
-            return
+            return await self._catch_up_or_retry(force=True)
         if outcome.found_group:
             log.warning(
                 "round %d failed (%s); checking whether the run moved on", self.outer.step, outcome.error
             )
             self._count_failure("failed", outcome.group_size, outcome.seconds)
-            await self._catch_up_or_retry()
+            return await self._catch_up_or_retry()
+        return await self._no_group(delta, outcome.seconds)
+
+    # ---- delayed overlap ---------------------------------------------------------------------------------
+    # The working copy always equals θ_global − (progress not yet in θ_global): the progress of the round
+    # being averaged in the background plus that of the round being trained. When round k's average lands
+    # (at the end of round k + 1), θ_global takes its outer step and the working copy becomes
+    # θ_global − (round k + 1's progress), which is then sent. θ_global only ever changes by agreed
+    # averages, so it stays bit-identical across the group exactly as without overlap.
+    async def _sync_delayed(self) -> None:
+        local = await self._in_trainer(self.trainer.working_params_fp32)
+        start = self._start if self._start is not None else self.outer.params
+        progress = [s - t for s, t in zip(start, local)]  # this round's inner steps only
+        if self._inflight is not None:
+            pending, delta, task = self._inflight
+            self._inflight = None
+            if not task.done():
+                self.state.phase = "averaging"  # the network is slower than H inner steps: wait for it
+            self._carry = progress
+            try:
+                settled = await self._settle(await task, delta)
+            finally:
+                self._carry = None
+            if settled == "adopted":  # the working copy is the downloaded θ_global: start afresh
+                self._start = None
+                return
+            if settled == "kept":  # the last round's progress was not applied: send it again with ours
+                progress = [p + c for p, c in zip(pending, progress)]
+        delta, task = await self._send(progress)
+        self._inflight = (progress, delta, task)
+        self.state.round_steps = 0
+        self._start = await self._in_trainer(self.trainer.working_params_fp32)
+
+    async def drain(self, grace: float) -> None:
+        """At shutdown: let a background all-reduce that is exchanging tensors finish serving our parts
+        (others would be left with partial means), for at most `grace` seconds; then drop it."""
+        if self._inflight is None:
             return
-        await self._no_group(delta, outcome.seconds)
+        task = self._inflight[2]
+        self._inflight = None
+        if not task.done() and self.group.in_allreduce:
+            await asyncio.wait({task}, timeout=grace)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     def _count_bytes(self, sent: int, received: int) -> None:
         self.state.bytes_sent += sent
@@ -134,6 +211,8 @@ class RoundKeeper:
 
     async def check_agreement(self) -> None:
         """After a round, peers publish their θ hash: if most peers at our step hold another, re-sync."""
+        if self._inflight is not None:  # delayed overlap: a round is under way; its tickets check θ
+            return
         others = await self._other_peers()
         same_step = [r["global_sha256"] for r in others if r["outer_step"] == self.outer.step]
         counts = Counter([*same_step, self.outer.sha256])
@@ -142,7 +221,7 @@ class RoundKeeper:
             log.warning("%d peers at outer step %d hold another θ_global: re-syncing", votes, self.outer.step)
             await self.catch_up(force=True)
 
-    async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> None:
+    async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> str:
         if self.cfg.net.reachability == "private" and await self.daemon.public_reducers() == 0:
             log.warning(
                 "no public reducer in run '%s': a peer behind NAT can only average through a public peer or "
@@ -152,8 +231,8 @@ class RoundKeeper:
         others = await self._other_peers()
         if any(r["outer_step"] > self.outer.step for r in others):
             self._count_failure("no_group", 0, seconds)
-            await self._catch_up_or_retry()
-        elif others:
+            return await self._catch_up_or_retry()
+        if others:
             # Others exist at our step but did not meet us in time: keep our progress, retry in H steps.
             log.info(
                 "no group at outer step %d; %d peers known, retrying after the next round",
@@ -162,21 +241,29 @@ class RoundKeeper:
             )
             self._count_failure("no_group", 0, seconds)
             self.state.round_steps = 0
-        else:
-            log.info(
-                "alone in the run: applying our own pseudo-gradient (outer step %d)", self.outer.step + 1
-            )
-            await self._apply(delta, "alone", 1, seconds)
+            return "kept"
+        log.info("alone in the run: applying our own pseudo-gradient (outer step %d)", self.outer.step + 1)
+        await self._apply(delta, "alone", 1, seconds, sent=None)
+        return "applied"
 
-    async def _catch_up_or_retry(self, *, force: bool = False) -> None:
+    async def _catch_up_or_retry(self, *, force: bool = False) -> str:
         """Re-sync if we can; otherwise keep our inner progress and try the next round after H more steps."""
-        if not await self.catch_up(force=force):
-            self.state.round_steps = 0
+        if await self.catch_up(force=force):
+            return "adopted"
+        self.state.round_steps = 0
+        return "kept"
 
     async def _apply(
-        self, averaged: list[torch.Tensor], result: str, group_size: int, seconds: float
+        self,
+        averaged: list[torch.Tensor],
+        result: str,
+        group_size: int,
+        seconds: float,
+        *,
+        sent: list[torch.Tensor] | None,
     ) -> None:
-        await self._in_trainer(lambda: self._apply_in_trainer(averaged))
+        """Apply an outer step; `sent` is our contribution when it crossed the wire (None: applied alone)."""
+        await self._in_trainer(lambda: self._apply_in_trainer(averaged, sent))
         self.state.alone = result == "alone"
         self.state.group_size = group_size
         self.state.rounds_ok += 1
@@ -196,9 +283,21 @@ class RoundKeeper:
         )  # fmt: skip
         await self.daemon.publish_status()
 
-    def _apply_in_trainer(self, averaged: list[torch.Tensor]) -> None:
+    def _apply_in_trainer(self, averaged: list[torch.Tensor], sent: list[torch.Tensor] | None) -> None:
         self.outer.apply(averaged)
-        self.trainer.load_params(self.outer.params)  # the working copy restarts from θ_global
+        if self._carry is None:
+            self.trainer.load_params(self.outer.params)  # the working copy restarts from θ_global
+        else:  # delayed overlap: keep the progress made since this round's Δ was sent
+            self.trainer.load_params([g - c for g, c in zip(self.outer.params, self._carry)])
+        if self.feedback is None:
+            return
+        if sent is None or self.codec is None:  # applied in full: nothing is owed any more
+            self.feedback.reset()
+            return
+        try:
+            self.feedback.update(sent, roundtrip(self.codec, sent))
+        except CodecError:  # a non-finite contribution, screened out by every reducer: nothing to carry
+            self.feedback.reset()
 
     def _count_failure(self, result: str, group_size: int, seconds: float) -> None:
         self.state.rounds_failed += 1
@@ -332,6 +431,8 @@ class RoundKeeper:
     def _adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> None:
         self.outer.load_state(step, tensors)
         self.trainer.load_params(self.outer.params)
+        if self.feedback is not None:  # the residual belonged to the θ_global we just left
+            self.feedback.reset()
 
     async def _other_peers(self) -> list[dict[str, Any]]:
         try:

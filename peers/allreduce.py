@@ -9,17 +9,37 @@ Weights are not taken from senders: the group agrees on them from the tickets ga
 matchmaking (see `averager.py`), so a sender can never make itself count for more than one.
 Each reducer also screens what it is sent: a part with the wrong shape or a non-finite value is dropped
 (weight 0 for that part) instead of poisoning the mean.
+
+With a `PartCodec` (the run's `averaging.compression`), parts travel encoded: each sender encodes each
+part it sends (its own share too, so every contribution went through the same codec), the reducer decodes
+every copy — a payload that does not decode is screened like a non-finite part — reduces the decoded
+values, encodes the result once and sends those bytes back; every member, the reducer included, keeps
+decode(encode(result)), so all apply identical values. Parts hold `part_size_bytes / 4` elements whatever
+the codec, so part boundaries sit at fixed offsets of each tensor; when the codec's blocks divide that
+size, encoding part by part gives exactly what encoding each whole tensor would (which is what lets a
+sender keep its error-feedback residual without knowing the split).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    AllreduceException,
+    BannedException,
+    TensorPartReducer,
+)
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
@@ -27,6 +47,104 @@ PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int
 """(stacked [n, d], weights [n] in {0, 1}) → (reduced [d], indices of senders found faulty)."""
 PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
 """(averaged part received from a reducer, our own input for that part) → plausible?"""
+
+
+class PartCodec(Protocol):
+    """How parts travel when the run compresses them; pure tensor functions (`dilocod.codecs` fits).
+
+    `encode` turns a 1-D fp32 CPU tensor into exactly `encoded_size(numel)` bytes and raises on NaN/Inf;
+    `decode` turns such bytes back into `numel` fp32 values, bit-identically on every machine, and raises
+    on anything malformed. Encoding is blockwise with blocks of `alignment` elements counted from the
+    start of the input. `name` identifies the payload format: peers only meet peers with the same name.
+    """
+
+    name: str
+
+    @property
+    def alignment(self) -> int: ...
+
+    def encoded_size(self, numel: int) -> int: ...
+
+    def encode(self, x: torch.Tensor) -> bytes: ...
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor: ...
+
+
+class CodecCompression(CompressionBase):
+    """hivemind's hook for the sender's parts: each part goes out as its codec payload.
+
+    The payload travels as a flat uint8 tensor in hivemind's uncompressed framing (`dtype` "uint8",
+    `size` [payload bytes]), so hivemind can carry it and nothing in its closed codec enum is needed.
+    The compression ratio reported to hivemind is 1: parts keep `part_size_bytes / 4` elements, so the
+    split of every tensor into parts is the same whatever the codec.
+    """
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def __init__(self, codec: PartCodec) -> None:
+        self.codec = codec
+
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
+    ) -> runtime_pb2.Tensor:
+        return payload_message(encode_or_empty(self.codec, tensor))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return deserialize_torch_tensor(serialized_tensor)  # the payload as a uint8 tensor
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 1.0
+
+
+def encode_or_empty(codec: PartCodec, part: torch.Tensor) -> bytes:
+    """The part's payload; an empty one if it cannot be encoded (NaN/Inf), which every reducer screens out."""
+    try:
+        return codec.encode(part.detach().reshape(-1).to(torch.float32).contiguous())
+    except Exception:
+        return b""
+
+
+def payload_message(payload: bytes) -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE,
+        buffer=payload,
+        size=[len(payload)],
+        dtype="uint8",
+        requires_grad=False,
+    )
+
+
+def decode_message(codec: PartCodec, message: runtime_pb2.Tensor, numel: int) -> torch.Tensor | None:
+    """A stranger's part payload decoded to `numel` fp32 values, or None if it is malformed in any way."""
+    try:
+        framed = (
+            message.compression == runtime_pb2.CompressionType.NONE
+            and message.dtype == "uint8"
+            and list(message.size) == [len(message.buffer)]
+        )
+        return codec.decode(message.buffer, numel) if framed else None
+    except Exception:  # a malformed payload is screened out, never raised
+        return None
+
+
+def decode_payload_tensor(codec: PartCodec, payload: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """An averaged part that hivemind already deserialized (it must be the flat uint8 payload), decoded."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        return None
+    try:
+        return codec.decode(payload.contiguous().numpy().tobytes(), numel)
+    except Exception:
+        return None
+
+
+def requantize(codec: PartCodec, part: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+    """(decode(encode(part)), encode(part)); a part that cannot be encoded becomes zeros, like a failed check."""
+    flat = part.reshape(-1).to(torch.float32).contiguous()
+    try:
+        payload = codec.encode(flat)
+    except Exception:
+        payload = codec.encode(torch.zeros_like(flat))
+    return codec.decode(payload, flat.numel()).reshape(part.shape), payload
 
 
 def weighted_mean(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -48,10 +166,19 @@ class BufferingReducer(TensorPartReducer):
     order rather than arrival order makes the result independent of network timing.
     """
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, reduce_part: PartReduce) -> None:
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        reduce_part: PartReduce,
+        codec: PartCodec | None = None,
+    ) -> None:
         self.reduce_part = reduce_part
+        self.codec = codec
         self.faulty_senders: set[int] = set()
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        # With a codec: the encoded result of each part, sent as is to every sender of the part.
+        self.payloads: dict[int, bytes] = {}
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -92,6 +219,9 @@ class BufferingReducer(TensorPartReducer):
             result = reduced.reshape(shape).to(torch.float32)
         else:
             result = torch.zeros(shape)
+        if self.codec is not None:
+            # Encoded once; the reducer keeps what its payload decodes to, as every receiver will.
+            result, self.payloads[self.current_part_index] = requantize(self.codec, result)
         self.current_part_future.set_result(result)
         self.reset_accumulators()
 
@@ -107,10 +237,23 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_weights: dict[PeerID, float],
         reduce_part: PartReduce | None = None,
         check_part: PartCheck | None = None,
+        codec: PartCodec | None = None,
         corrupt: bool = False,
         **kwargs: object,
     ) -> None:
+        if codec is not None:
+            # Parts of fp32 tensors hold part_size_bytes / 4 elements (the ratio reported is 1): a codec
+            # block must never straddle two parts, or encoding by parts would differ from encoding tensors.
+            part_size_bytes = kwargs.get("part_size_bytes", DEFAULT_PART_SIZE_BYTES)
+            assert isinstance(part_size_bytes, int)
+            part_size = int(part_size_bytes / 4)  # as TensorPartContainer computes it
+            if part_size % codec.alignment:
+                raise ValueError(
+                    f"codec blocks of {codec.alignment} do not divide parts of {part_size} elements"
+                )
+            kwargs["compression"] = CodecCompression(codec)
         super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.codec = codec
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
@@ -120,42 +263,69 @@ class ExactAllReduceRunner(AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             reduce_part or weighted_mean,
+            codec,
         )
         self.sender_weights = [float(sender_weights.get(peer, 0.0)) for peer in self.sender_peer_ids]
-        self.screened_parts = 0  # contributions this reducer dropped (wrong shape, NaN/Inf)
+        # Contributions this reducer dropped (wrong shape, NaN/Inf, a payload that does not decode).
+        self.screened_parts = 0
         self.screened_senders: set[int] = set()
         self.check_part = check_part
         self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
         self.rejected_reducers: set[PeerID] = set()
-        # Tensor payload bytes on the wire this round (serialized parts and averages, both directions).
+        # Tensor payload bytes on the wire this round (serialized parts and averages, both directions):
+        # what the messages' tensor buffers actually held, encoded or not.
         self.bytes_sent = 0
         self.bytes_received = 0
         # Our own input for every part, by reducer: what a returned average is checked against.
         self._own_inputs = [
             tuple(part for part, _ in parts) for parts in self.tensor_part_container._input_parts_by_peer
         ]
-        register = self.tensor_part_container.register_processed_part
-        self.tensor_part_container.register_processed_part = self._checked(register)  # type: ignore[method-assign]
+        container = self.tensor_part_container
+        self._failed_reducers: set[int] = set()
+        register = container.register_processed_part
+        container.register_processed_part = self._checked(register)  # type: ignore[method-assign]
+        register_failed = container.register_failed_reducer
+        container.register_failed_reducer = self._on_failed_reducer(register_failed)  # type: ignore[method-assign]
+
+    def _on_failed_reducer(self, register_failed: Callable[[int], None]) -> Callable[[int], None]:
+        """A vanished reducer's parts are filled with our own inputs: nothing was received, nothing to check."""
+
+        def failed(peer_index: int) -> None:
+            self._failed_reducers.add(peer_index)
+            register_failed(peer_index)
+
+        return failed
 
     def _checked(
         self, register: Callable[[int, int, torch.Tensor], None]
     ) -> Callable[[int, int, torch.Tensor], None]:
-        """Wrap the container's intake so every average from another reducer is checked first."""
+        """Wrap the container's intake so every average from another reducer is decoded and checked first."""
 
         def checked(peer_index: int, part_index: int, part: torch.Tensor) -> None:
-            if self.ordered_peer_ids[peer_index] != self.peer_id:
-                self.bytes_received += part.numel() * part.element_size()  # lossless fp32 on the wire
-            # Our own reductions are checked too: in a group of two, statistics cannot outvote a liar.
+            if peer_index in self._failed_reducers:  # our own input, standing in for a vanished reducer
+                register(peer_index, part_index, part)
+                return
+            remote = self.ordered_peer_ids[peer_index] != self.peer_id
             own = self._own_inputs[peer_index][part_index]
-            plausible = part.shape == own.shape and part.dtype == torch.float32
+            received: torch.Tensor | None = part
+            if remote:
+                self.bytes_received += part.numel() * part.element_size()  # the message's tensor buffer
+                if self.codec is not None:  # our own reductions arrive decoded already
+                    received = decode_payload_tensor(self.codec, part, own.numel())
+                    received = None if received is None else received.reshape(own.shape)
+            # Our own reductions are checked too: in a group of two, statistics cannot outvote a liar.
+            plausible = (
+                received is not None and received.shape == own.shape and received.dtype == torch.float32
+            )
             if plausible and self.check_part is not None:
-                plausible = self.check_part(part, own)
-            if not plausible:
+                assert received is not None
+                plausible = self.check_part(received, own)
+            if not plausible or received is None:
                 # The safe value every honest member falls back to: no update for these coordinates.
-                if self.ordered_peer_ids[peer_index] != self.peer_id:
+                if remote:
                     self.rejected_reducers.add(self.ordered_peer_ids[peer_index])
-                part = torch.zeros_like(own)
-            register(peer_index, part_index, part)
+                received = torch.zeros_like(own)
+            register(peer_index, part_index, received)
 
         return checked
 
@@ -187,13 +357,31 @@ class ExactAllReduceRunner(AllReduceRunner):
             return torch.zeros(expected), 0.0
         return part, weight
 
+    def _contribution(self, message: runtime_pb2.Tensor, part_index: int) -> torch.Tensor:
+        """A sender's copy of one of our parts, as values; `_BAD` (screened out) if it does not decode."""
+        if self.codec is None:
+            received = _deserialize_or_none(message)
+        else:
+            expected = self.parts_for_local_averaging[part_index].shape
+            received = decode_message(self.codec, message, expected.numel())
+            received = None if received is None else received.reshape(expected)
+        return received if received is not None else _BAD
+
+    def _own_contribution(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
+        """decode(encode(our part)), exactly what any other reducer would have made of what we send it."""
+        assert self.codec is not None
+        return self._contribution(payload_message(encode_or_empty(self.codec, part)), part_index)
+
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
             await super()._communicate_with_peer(peer_id)  # remote reducers already send averages
             return
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_running_loop()
         for part_index, own_part in enumerate(self.parts_for_local_averaging):
+            if self.codec is not None:  # our own copy goes through the codec like everybody else's
+                own_part = await loop.run_in_executor(None, self._own_contribution, own_part, part_index)
             part, weight = self._screen(sender_index, part_index, own_part)
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, part, weight=weight
@@ -211,25 +399,31 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if part_index >= self.tensor_part_reducer.num_parts:
                     break  # a sender that keeps talking past its parts is cut off (and banned below)
                 self.bytes_received += len(message.tensor_part.buffer)
-                received = await loop.run_in_executor(None, _deserialize_or_none, message.tensor_part)
-                part, weight = self._screen(
-                    sender_index, part_index, received if received is not None else _BAD
+                received = await loop.run_in_executor(
+                    None, self._contribution, message.tensor_part, part_index
                 )
+                part, weight = self._screen(sender_index, part_index, received)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=weight
                     )
                 except BannedException:
                     break
+                serialized = await loop.run_in_executor(None, self._reply, averaged, part_index)
                 part_index += 1
-                if self.corrupt:
-                    averaged = _garbage_like(averaged)
-                serialized = await loop.run_in_executor(None, _serialize_exact, averaged)
                 self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _reply(self, averaged: torch.Tensor, part_index: int) -> runtime_pb2.Tensor:
+        """What we send back for one of our parts: the result's exact fp32 bytes, or its codec payload."""
+        if self.codec is None:
+            return _serialize_exact(_garbage_like(averaged) if self.corrupt else averaged)
+        if self.corrupt:
+            return payload_message(encode_or_empty(self.codec, _garbage_like(averaged)))
+        return payload_message(self.tensor_part_reducer.payloads[part_index])  # type: ignore[attr-defined]
 
 
 _BAD = torch.full((1,), float("nan"))

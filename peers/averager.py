@@ -2,7 +2,8 @@
 
 It runs in its own process (hivemind's design); methods prefixed `_` below run there, the rest in the
 host. What it adds:
-- each round is keyed by its outer step (the group key's bits), so only peers at the same step meet;
+- each round is keyed by its outer step (the group key's bits), so only peers at the same step meet, and
+  by the run's codec when it compresses, so peers that encode parts differently never meet;
 - members exchange tickets (`proto.ROUND_TICKET`) while matching; every member decides the same
   weights from the same gathered tickets: 1 for members whose (step, θ hash) is the group majority,
   0 for everyone else (they still take part, and learn that they must re-sync);
@@ -14,6 +15,7 @@ host. What it adds:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,15 +37,23 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
+from peers.allreduce import ExactAllReduceRunner, PartCheck, PartCodec, PartReduce
 from proto import ProtoError, decode_ticket
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
 
 
-def round_group_bits(round_index: int) -> str:
-    """Group-key bits that put only peers at the same outer step into the same matchmaking bucket."""
-    return format(round_index % 2**32, "032b")
+def round_group_bits(round_index: int, codec_name: str | None = None) -> str:
+    """Group-key bits that put only peers at the same outer step into the same matchmaking bucket.
+
+    With a codec, 16 more bits from a hash of its name: peers whose parts would not decode for each
+    other look for groups under different keys. Uncompressed rounds keep the plain 32 bits.
+    """
+    bits = format(round_index % 2**32, "032b")
+    if codec_name is None:
+        return bits
+    tag = int.from_bytes(hashlib.sha256(f"dilocod.codec.{codec_name}".encode()).digest()[:2], "big")
+    return bits + format(tag, "016b")
 
 
 class BanAwareMatchmaking(Matchmaking):
@@ -76,12 +86,14 @@ class RunAverager(DecentralizedAverager):
         state_provider: StateProvider | None = None,
         reduce_part: PartReduce | None = None,
         check_part: PartCheck | None = None,
+        codec: PartCodec | None = None,
         corrupt_reductions: bool = False,
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
         self._state_provider = state_provider
         self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
+        self._codec = codec
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -177,6 +189,7 @@ class RunAverager(DecentralizedAverager):
             sender_weights=dict(zip(group_info.peer_ids, weights)),
             reduce_part=self._reduce_part,
             check_part=self._check_part,
+            codec=self._codec,
             corrupt=self._corrupt,
             **kwargs,
         )

@@ -10,7 +10,7 @@ import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
-from peers.allreduce import PartCheck, PartReduce
+from peers.allreduce import PartCheck, PartCodec, PartReduce
 from peers.averager import RunAverager, StateProvider, round_group_bits
 from peers.errors import PeersError
 from peers.node import Node, stop_child
@@ -30,6 +30,9 @@ class AveragingOptions:
     # it receives; both are pure functions supplied by the caller.
     reduce_part: PartReduce | None = field(default=None, compare=False)
     check_part: PartCheck | None = field(default=None, compare=False)
+    # How parts travel: None sends exact fp32; a codec encodes every part and every average (and keys the
+    # matchmaking by its name, so only peers with the same codec meet).
+    codec: PartCodec | None = field(default=None, compare=False)
     corrupt_reductions: bool = False  # adversary test mode: reduce dishonestly
 
 
@@ -101,6 +104,7 @@ class GroupAverager:
             state_provider=self._state_provider,
             reduce_part=opts.reduce_part,
             check_part=opts.check_part,
+            codec=opts.codec,
             corrupt_reductions=opts.corrupt_reductions,
             declare_state_period=10,
             shutdown_timeout=3,
@@ -138,7 +142,8 @@ class GroupAverager:
         with averager.get_tensors() as shared:
             for buffer, tensor in zip(shared, tensors, strict=True):
                 buffer.copy_(tensor)
-        await loop.run_in_executor(None, averager.set_group_bits, round_group_bits(round_index))
+        codec_name = None if self.options.codec is None else self.options.codec.name
+        await loop.run_in_executor(None, averager.set_group_bits, round_group_bits(round_index, codec_name))
         control = await loop.run_in_executor(
             None,
             lambda: averager.step(

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS and ROUND_TICKET at version 2, STATE_META at 1).
+"""The concrete wire messages of dilocod (STATUS at version 3, ROUND_TICKET at 2, STATE_META at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +14,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=2,
+    version=3,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -41,6 +41,8 @@ STATUS = Schema(
         # v2: bytes on the wire, for the run-wide view of communication cost.
         Field("bytes_sent", "int", optional=True, min=0),
         Field("bytes_received", "int", optional=True, min=0),
+        # v3: share of wall time spent in inner steps, since the sender started training.
+        Field("compute_utilization", "float", optional=True, min=0, max=1),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -67,6 +69,7 @@ on data checked later (the round ticket, the state download's hash), never on th
 - rejected_contributions (v2): contributions the sender dropped (screened or from a lying reducer).
 - bans (v2): peers the sender currently bans.
 - bytes_sent / bytes_received (v2): tensor payload bytes the sender sent / received since it started.
+- compute_utilization (v3): time in inner steps ÷ wall time since the sender started training (0–1).
 """
 
 ROUND_TICKET = Schema(

@@ -11,6 +11,20 @@ from tests.conftest_netbed import netbed  # noqa: F401  (the network-namespace t
 from tests.harness import FAST, Swarm
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.cuda` tests need a GPU: skipped where torch sees none (CI has none either)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
 def _swarm_factory(root: Path) -> tuple[Callable[..., Swarm], list[Swarm]]:
     made: list[Swarm] = []
 

@@ -178,3 +178,10 @@ def test_demo_with_bad_override_is_exit_2(capsys: pytest.CaptureFixture[str]) ->
 def test_no_command_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _ = run_main(capsys)
     assert code == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_bad_devices_is_exit_2(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    code, err = run_main(capsys, "join", f"--devices={value}")
+    assert code == 2
+    assert err.splitlines() == [err.strip()] and err.startswith("dilocod: error: trainer.devices must be")

@@ -527,3 +527,27 @@ def test_int2_with_error_feedback_converges_and_without_stalls() -> None:
     assert with_ef < 0.01, with_ef
     assert without > 0.3, without
     assert without > 50 * with_ef
+
+
+# ------------------------------------------------------------------------------- the all-reduce's split
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_alignment_is_the_block_size(name: str) -> None:
+    codec = make_codec(name)
+    assert codec.alignment == getattr(codec, "block_size", 1)
+    assert make_codec(name, block_size=32).alignment == (32 if name in QUANT else 1)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("part_size", [512, 131072])  # 131072 = hivemind's 512 KiB parts of fp32
+def test_encoding_by_parts_equals_encoding_the_tensor(name: str, part_size: int) -> None:
+    """The all-reduce encodes each part on its own; parts start at multiples of the codec's alignment,
+    so a sender's per-tensor `roundtrip` (what its error feedback uses) is exactly what the wire carried."""
+    codec = make_codec(name)
+    assert part_size % codec.alignment == 0
+    x = torch.cat([sample(1, 2 * part_size + 1000, "heavy", 0), sample(2, 77, "normal", 8)])
+    by_parts = torch.cat([codec.decode(codec.encode(p), p.numel()) for p in x.split(part_size)])
+    assert torch.equal(by_parts, roundtrip(codec, [x])[0])
+    payload_bytes = sum(len(codec.encode(p)) for p in x.split(part_size))
+    assert payload_bytes == sum(codec.encoded_size(p.numel()) for p in x.split(part_size))

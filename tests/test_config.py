@@ -249,6 +249,10 @@ def test_wrong_type_in_file_names_the_key(tmp_path: Path, toml: str, key: str) -
         ("averaging.request_timeout=0", "averaging.request_timeout"),
         ("net.port=70000", "net.port"),
         ("net.reachability=sometimes", "net.reachability"),
+        ("averaging.compression=int3", "averaging.compression"),
+        ("trainer.optimizer=sgd", "trainer.optimizer"),
+        ("trainer.muon_lr_ratio=0", "trainer.muon_lr_ratio"),
+        ("averaging.compression=INT8", "averaging.compression"),
         ("data.eval_fraction=1.0", "data.eval_fraction"),
         ("model.preset=huge", "model.preset"),
         ("run.id=a.b", "run.id"),
@@ -380,3 +384,12 @@ def test_group_size_below_min_group_size_is_rejected() -> None:
 def test_bare_set_value_is_read_for_the_key_type(item: str, section: str, key: str, expected: object) -> None:
     config = load_config(None, [item])
     assert getattr(getattr(config, section), key) == expected
+
+
+def test_compression_names_and_their_wire_codec() -> None:
+    assert Config().averaging.compression == "none" and Config().averaging.wire_codec() is None
+    for name in ("fp16", "int8", "int4", "int2"):
+        codec = load_config(None, [f"averaging.compression={name}"]).averaging.wire_codec()
+        assert codec is not None and codec.name == name
+    message = config_error(overrides=["averaging.compression=int3"])
+    assert message == "averaging.compression must be one of none, fp16, int8, int4, int2, got 'int3'"

@@ -91,3 +91,21 @@ def test_no_progress_line_when_not_a_terminal() -> None:
     handler.setLevel(logging.INFO)
     asyncio.run(asyncio.wait_for(show_progress(state(), 5, plain), 1))  # returns at once
     assert plain.getvalue() == "" and handler.level == logging.INFO
+
+
+def test_compute_utilization_counts_inner_steps_over_wall_time_since_training_began() -> None:
+    s = PeerState(peer_id="p", run_id="r")
+    assert s.compute_utilization(now=100.0) == 0.0  # nothing trained yet (startup does not count)
+    s.training_began(10.0)
+    assert s.compute_utilization(now=10.0) == 0.0
+    assert s.compute_utilization(now=14.0) == 1.0  # the running stretch counts up to now
+    s.training_ended(16.0)  # 6 s of inner steps
+    assert s.compute_utilization(now=16.0) == 1.0
+    assert s.compute_utilization(now=18.0) == pytest.approx(6 / 8)  # averaging: the ratio falls
+    s.training_began(19.0)
+    assert s.compute_utilization(now=21.0) == pytest.approx(8 / 11)
+    s.training_ended(21.0)
+    s.training_ended(25.0)  # an unmatched end changes nothing
+    assert s.compute_utilization(now=32.0) == pytest.approx(8 / 22)
+    assert 0.0 < s.record()["compute_utilization"] <= 1.0  # monotonic clock: far past 32.0 here
+    assert 0.0 <= s.status()["compute_utilization"] <= 1.0

@@ -68,6 +68,7 @@ status_records = st.fixed_dictionaries(
         "bans": st.none() | st.integers(0, 100_000),
         "bytes_sent": st.none() | st.integers(0, INT64_MAX),
         "bytes_received": st.none() | st.integers(0, INT64_MAX),
+        "compute_utilization": st.none() | st.floats(0, 1),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -135,6 +136,7 @@ def example(schema: Schema) -> dict[str, Any]:
             "bans": 0,
             "bytes_sent": 0,
             "bytes_received": 0,
+            "compute_utilization": 0.93,
         }
     if schema is ROUND_TICKET:
         return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
@@ -396,7 +398,7 @@ def defect_cases() -> list[tuple[str, Schema, bytes, str]]:
         ("wrong schema", STATUS, raw_pack(STATUS, status, name="dilocod.ticket"), "_s"),
         ("schema as bytes", STATUS, raw_pack(STATUS, status, name=b"dilocod.status"), "_s"),
         ("missing schema", STATUS, msgpack.packb({"_v": 1, **status}), "_s"),
-        ("newer version", STATUS, raw_pack(STATUS, status, version=3), "_v"),
+        ("newer version", STATUS, raw_pack(STATUS, status, version=STATUS.version + 1), "_v"),
         ("version zero", ROUND_TICKET, raw_pack(ROUND_TICKET, ticket, version=0), "_v"),
         ("version as bool", ROUND_TICKET, raw_pack(ROUND_TICKET, ticket, version=True), "_v"),
         ("version as str", STATE_META, raw_pack(STATE_META, meta, version="1"), "_v"),
@@ -420,8 +422,8 @@ def test_defect_is_rejected_naming_the_field(schema: Schema, data: bytes, field:
 
 
 def test_newer_version_message() -> None:
-    with pytest.raises(ProtoError, match="unsupported version 3"):
-        decode(STATUS, raw_pack(STATUS, example(STATUS), version=3))
+    with pytest.raises(ProtoError, match="unsupported version 4"):
+        decode(STATUS, raw_pack(STATUS, example(STATUS), version=4))
 
 
 def test_duplicate_key_rejected() -> None:
@@ -505,7 +507,7 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 2, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 3, 4096)
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 2, 4096)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
@@ -517,3 +519,13 @@ def test_older_version_accepted_when_schema_grows() -> None:
     assert decode(v2, encode(v1, {"a": 1})) == {"a": 1, "b": None}
     with pytest.raises(ProtoError, match="unsupported version 2"):
         decode(v1, encode(v2, {"a": 1, "b": "x"}))
+
+
+def test_status_v2_records_still_decode() -> None:
+    """v3 added compute_utilization (optional): a v2 sender's record reads back with it as None."""
+    record = {k: v for k, v in example(STATUS).items() if k != "compute_utilization"}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=2))
+    assert decoded["compute_utilization"] is None and decoded["peer_id"] == record["peer_id"]
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ProtoError, match="compute_utilization"):
+            decode(STATUS, raw_pack(STATUS, {**record, "compute_utilization": bad}))

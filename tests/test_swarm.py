@@ -112,3 +112,40 @@ def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[.
         assert later["peer_id"] == status["peer_id"]
     finally:
         dht.shutdown()
+
+
+def test_int2_compression_with_error_feedback_and_muon(swarm: Callable[..., Swarm]) -> None:
+    """The codec on the wire end to end: config → averager → error feedback → checkpoint → resume."""
+    import torch
+
+    from dilocod.trainer.model import ModelConfig, build_model, count_params
+
+    s = swarm(2, "averaging.compression=int2", "trainer.optimizer=muon")
+    statuses = s.wait_all_at(3, timeout=240)
+    for step, found in _ok_hashes(statuses).items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
+    assert any(count == 2 for count in _ok_counts(statuses).values()), statuses
+    # What a peer sent per averaged round: int2 payloads (≈ 0.28 B per value) where fp32 would be 4 B.
+    params = count_params(build_model(ModelConfig("tiny"), 0))
+    sent = [e["bytes_sent"] for st in statuses for e in st["rounds"] if e["result"] == "ok"]
+    assert sent and all(0 < b < 0.3 * params for b in sent), (sent, params)
+    assert all(0 < st["compute_utilization"] <= 1 for st in statuses)
+
+    # The residual is local state that survives a restart (it is in the checkpoint).
+    leaver = s.peers[1]
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(timeout=30) == 0
+    assert leaver.run_dir is not None
+    checkpoint = torch.load(leaver.run_dir / "checkpoint.pt", weights_only=True)
+    residual = checkpoint["error_feedback"]["residual"]
+    assert len(residual) == len(checkpoint["outer"]["params"])
+    assert sum(float(e.abs().sum()) for e in residual) > 0
+    assert all(bool(torch.isfinite(e).all()) for e in residual)
+    assert checkpoint["trainer"]["optimizer_kind"] == "muon"
+    leaver.start()
+    s.wait_serving(leaver)
+    assert "resumed from checkpoint" in leaver.output()
+    target = max(p.status()["outer_step"] for p in s.peers) + 2
+    final = s.wait_all_at(target, timeout=180)
+    for step, found in _ok_hashes(final).items():
+        assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"

@@ -12,6 +12,7 @@ import torch
 from dilocod.trainer.data import Corpus, DataConfig
 from dilocod.trainer.inner import InnerTrainer, TrainerConfig, lr_at, resolve_device
 from dilocod.trainer.model import ModelConfig
+from dilocod.trainer.optim import MuonWithAdamW
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 400
 CFG = TrainerConfig(batch_size=4, seq_len=64, lr=3e-3, warmup_steps=5, total_steps=1000, device="cpu")
@@ -53,6 +54,10 @@ def test_defaults_validate() -> None:
         ({"device": "tpu"}, "device"),
         ({"device": "cuda:x"}, "device"),
         ({"threads": -2}, "threads"),
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"optimizer": "Muon"}, "optimizer"),
+        ({"muon_lr_ratio": 0.0}, "muon_lr_ratio"),
+        ({"muon_lr_ratio": math.inf}, "muon_lr_ratio"),
     ],
 )
 def test_validate_names_the_key(change: dict[str, Any], key: str) -> None:
@@ -187,3 +192,73 @@ def test_load_state_dict_rejects_mismatch() -> None:
         trainer.load_state_dict(extra)
     with pytest.raises(ValueError, match="version"):
         trainer.load_state_dict(dict(state, version=99))
+
+
+# ---------------------------------------------------------------- Muon (trainer.optimizer = "muon")
+
+MUON = replace(CFG, optimizer="muon", muon_lr_ratio=0.5)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest() -> None:
+    trainer = make_trainer(MUON)
+    assert isinstance(trainer.optimizer, MuonWithAdamW)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    muon, adamw = trainer.optimizer.parts["muon"], trainer.optimizer.parts["adamw"]
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert on_muon.isdisjoint(on_adamw) and on_muon | on_adamw == set(names.values())
+    assert len(on_muon) == 4 * 5  # tiny: 4 blocks × (qkv, out, gate, up, down)
+    assert all(n.startswith("blocks.") and n.endswith(".weight") and "norm" not in n for n in on_muon)
+    assert {"embed.weight", "head.weight", "norm.weight"} <= on_adamw
+    # One schedule for both; Muon's lr is scaled by muon_lr_ratio.
+    trainer.train_steps(1)
+    expected = lr_at(0, MUON)
+    assert [g["lr"] for g in muon.param_groups] == [pytest.approx(0.5 * expected)]
+    assert all(g["lr"] == pytest.approx(expected) for g in adamw.param_groups)
+
+
+def test_muon_loss_falls() -> None:
+    trainer = make_trainer(MUON)
+    before = trainer.evaluate()
+    seen: list[float] = []
+    trainer.train_steps(30, on_step=lambda step, loss: seen.append(loss))
+    assert sum(seen[-5:]) / 5 < seen[0] - 1.0
+    assert trainer.evaluate() < before - 1.0
+
+
+def test_muon_state_round_trip_resumes_identically() -> None:
+    original = make_trainer(MUON)
+    original.train_steps(3)
+    saved = original.state_dict()
+    assert saved["optimizer_kind"] == "muon" and set(saved["optimizer"]) == {"muon", "adamw"}
+    assert saved["optimizer"]["muon"]["state"]  # Muon's momentum buffers are saved
+    original.train_steps(2)
+
+    resumed = make_trainer(MUON)
+    resumed.load_state_dict(saved)
+    resumed.train_steps(2)
+    for p_orig, p_res in zip(original.params(), resumed.params(), strict=True):
+        assert torch.equal(p_orig, p_res)
+
+
+def test_muon_state_is_validated() -> None:
+    source = make_trainer(MUON)
+    source.train_steps(1)
+    state = source.state_dict()
+    trainer = make_trainer(MUON)
+    fresh = [p.detach().clone() for p in trainer.params()]
+    adamw_state = make_trainer().state_dict()
+    with pytest.raises(ValueError, match="'adamw' optimizer moments, but trainer.optimizer is 'muon'"):
+        trainer.load_state_dict(adamw_state)
+    with pytest.raises(ValueError, match="'muon' optimizer moments, but trainer.optimizer is 'adamw'"):
+        make_trainer().load_state_dict(state)
+    for bad in (
+        {"muon": state["optimizer"]["muon"]},  # a part missing
+        {**state["optimizer"], "muon": {"state": {}}},  # a part without its groups
+        {**state["optimizer"], "adamw": state["optimizer"]["muon"]},  # another optimizer's groups
+    ):
+        with pytest.raises(ValueError, match="optimizer"):
+            trainer.load_state_dict(dict(state, optimizer=bad))
+    # Nothing was half-loaded: the parameters are checked together with the optimizer, then loaded.
+    assert trainer.step == 0
+    assert all(torch.equal(p, f) for p, f in zip(trainer.params(), fresh, strict=True))

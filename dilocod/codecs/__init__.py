@@ -9,6 +9,7 @@ from dilocod.codecs.feedback import ErrorFeedback, roundtrip
 from dilocod.codecs.quant import (
     CODEC_NAMES,
     DEFAULT_BLOCK_SIZE,
+    FEEDBACK_CODECS,
     BlockQuantCodec,
     Fp16Codec,
     NoneCodec,
@@ -19,6 +20,7 @@ from dilocod.codecs.quant import (
 __all__ = [
     "CODEC_NAMES",
     "DEFAULT_BLOCK_SIZE",
+    "FEEDBACK_CODECS",
     "BlockQuantCodec",
     "Codec",
     "CodecError",

@@ -56,7 +56,15 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, data: Payload, numel: int) -> torch.Tensor:
-        """A fresh 1-D float32 tensor of `numel` elements. Raises CodecError on any malformed `data`."""
+        """A fresh 1-D float32 tensor of `numel` elements. Raises CodecError on any malformed `data`.
+
+        Accepts bytes, bytearray or memoryview."""
+
+    @property
+    def alignment(self) -> int:
+        """Blocks start every `alignment` elements from the input's start: encoding the pieces of a split
+        whose pieces start at multiples of it gives exactly what encoding the whole input gives."""
+        return 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

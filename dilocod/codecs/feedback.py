@@ -14,9 +14,11 @@ to be bit-identical across peers; it is fp32 on the CPU like θ_global, and each
 add or subtract (no fused `alpha=` forms), to match the rest of dilocod.
 
 `update` must be given the same split the wire used: `roundtrip` encodes each tensor on its own
-(flattened), so its blocks never straddle two parameters. If the networking layer encodes a different
-split (one flat vector, or butterfly parts), compute `transmitted` with that split instead. If a round
-is dropped before anything was sent, skip `update`, and decide at the caller whether Δ itself is kept.
+(flattened), so its blocks never straddle two parameters. The all-reduce encodes butterfly parts of
+131072 values cut from each tensor's start (`peers/allreduce.py`); that is a multiple of every
+`Codec.alignment`, so part by part gives exactly what `roundtrip` gives (`tests/test_codecs.py` checks
+it). If a round is dropped before anything was sent, skip `update`, and decide at the caller whether Δ
+itself is kept.
 """
 
 from __future__ import annotations

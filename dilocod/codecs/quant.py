@@ -67,6 +67,9 @@ from dilocod.codecs.base import (
 
 CODEC_NAMES = ("none", "fp16", "int8", "int4", "int2")
 DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64, "int2": 64}
+# The codecs a peer runs with error feedback: the coarse ones, whose per-round bias would otherwise
+# stall training (fp16 and int8 are fine without; see dilocod.codecs.feedback).
+FEEDBACK_CODECS = ("int4", "int2")
 
 FP16_MAX = 65504.0
 _FP32_MAX = 3.4028234663852886e38
@@ -191,6 +194,10 @@ class BlockQuantCodec(Codec):
 
     def __repr__(self) -> str:
         return f"BlockQuantCodec({self.name!r}, block_size={self.block_size})"
+
+    @property
+    def alignment(self) -> int:
+        return self.block_size
 
     def num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+OVERLAP_MODES = ("none", "delayed")
+
 
 @dataclass(frozen=True)
 class OuterConfig:
@@ -23,12 +25,17 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    # none: inner steps wait for each round; delayed: a round's all-reduce runs while the next round trains
+    # and its outer step lands one round late (see dilocod/rounds.py)
+    overlap: str = "none"
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"outer.lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"outer.overlap must be one of {', '.join(OVERLAP_MODES)}, got '{self.overlap}'")
 
 
 def global_sha256(tensors: Sequence[torch.Tensor]) -> str:
@@ -50,6 +57,12 @@ class OuterOptimizer:
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.step = 0
         self.sha256 = global_sha256(self.params)
+
+    def pin_memory(self) -> None:
+        """Keep θ_global in page-locked memory (for a CUDA trainer): its copies to the GPU after each round
+        then run as DMA without stalling it. Updates happen in place, so the pages stay pinned. The
+        momentum never leaves the host and stays pageable."""
+        self.params = [p.pin_memory() for p in self.params]
 
     @property
     def num_elements(self) -> int:

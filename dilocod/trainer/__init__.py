@@ -5,7 +5,9 @@ any networking stack.
 """
 
 from .data import Corpus, DataConfig, DataError, ShardSampler, eval_batches, load_corpus
-from .inner import InnerTrainer, StepStats, TrainerConfig, lr_at, resolve_device
+from .flops import flops_per_token, known_peak_flops, mfu
+from .inner import InnerTrainer, StepStats, TrainerConfig, lr_at, resolve_device, resolve_devices
+from .local import LocalGroup, LocalGroupError
 from .model import PRESETS, ModelConfig, ModelSpec, Transformer, build_model, count_params
 
 __all__ = [
@@ -14,6 +16,8 @@ __all__ = [
     "DataConfig",
     "DataError",
     "InnerTrainer",
+    "LocalGroup",
+    "LocalGroupError",
     "ModelConfig",
     "ModelSpec",
     "ShardSampler",
@@ -23,7 +27,11 @@ __all__ = [
     "build_model",
     "count_params",
     "eval_batches",
+    "flops_per_token",
+    "known_peak_flops",
     "load_corpus",
     "lr_at",
+    "mfu",
     "resolve_device",
+    "resolve_devices",
 ]

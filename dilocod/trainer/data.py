@@ -253,8 +253,10 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[
 class ShardSampler:
     """Random training windows from this peer's contiguous shard of the train tokens.
 
-    A batch is a pure function of (seed, peer_key, position), so a restarted peer resumes its
-    exact data stream from one integer, and peers with different keys see different streams.
+    A batch is a pure function of (seed, peer_key, stream, position), so a restarted peer resumes its
+    exact data stream from one integer, and peers with different keys see different streams. The local
+    workers of one multi-device peer share its shard and differ by ``stream`` (their rank): rank 0 draws
+    exactly what a single-device peer would.
     """
 
     def __init__(
@@ -266,6 +268,7 @@ class ShardSampler:
         num_shards: int,
         batch_size: int,
         seq_len: int,
+        stream: int = 0,
     ) -> None:
         if num_shards < 1 or batch_size < 1 or seq_len < 1:
             raise ValueError("num_shards, batch_size and seq_len must all be >= 1")
@@ -274,6 +277,7 @@ class ShardSampler:
         self.num_shards = num_shards
         self.batch_size = batch_size
         self.seq_len = seq_len
+        self.stream = stream
         self.shard_index = _stable_int("shard", seed, peer_key) % num_shards
         self.tokens = self._shard(tokens)
 
@@ -286,7 +290,13 @@ class ShardSampler:
 
     def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) int64 [batch_size, seq_len] with y[:, i] == x[:, i + 1] (next-byte targets)."""
-        gen = torch.Generator().manual_seed(_stable_int("batch", self.seed, self.peer_key, position))
+        # Stream 0 keeps the historical key, so a single-device peer's data order is unchanged.
+        parts = (
+            (self.seed, self.peer_key, position)
+            if self.stream == 0
+            else (self.seed, self.peer_key, self.stream, position)
+        )
+        gen = torch.Generator().manual_seed(_stable_int("batch", *parts))
         high = self.tokens.numel() - self.seq_len  # exclusive; keeps the +1 target inside
         starts = torch.randint(0, high, (self.batch_size,), generator=gen)
         return _windows(self.tokens, starts, self.seq_len)

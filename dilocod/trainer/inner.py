@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from . import flops
 from .data import Corpus, DataConfig, ShardSampler, eval_batches, load_corpus
-from .model import ModelConfig, Transformer, build_model
+from .model import ModelConfig, Transformer, build_model, count_params
+from .optim import OPTIMIZERS, InnerOptimizer, make_inner_optimizer, with_saved_moments
 
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 _STATE_VERSION = 1
+# Presets whose activations dominate GPU memory: `activation_checkpointing = "auto"` turns it on for them.
+_CHECKPOINTED_PRESETS = frozenset({"124m", "1b"})
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,13 @@ class TrainerConfig:
     eval_every: int = 1  # outer rounds between evaluations
     eval_batches: int = 4
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default (split between local workers)
+    devices: int | str = 1  # local devices (data-parallel workers) of this peer: N >= 1 or "auto"
+    compile: bool = False  # torch.compile the training forward/backward
+    activation_checkpointing: bool | str = "auto"  # "auto": on for the 124m and 1b presets on CUDA
+    peak_flops: float | None = None  # one device's peak FLOP/s, for MFU; unset: from the GPU's name
+    optimizer: str = "adamw"  # "adamw" | "muon" (Muon for the blocks' matrices, AdamW for the rest)
+    muon_lr_ratio: float = 1.0  # Muon's lr = this × the schedule's lr (Muon's updates match AdamW's RMS)
 
     def validate(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -66,6 +79,27 @@ class TrainerConfig:
                 "'auto', 'cpu', 'cuda' or 'cuda:N'",
             ),
             ("threads", self.threads >= 0, ">= 0 (0 = torch default)"),
+            (
+                "devices",
+                self.devices == "auto" or (type(self.devices) is int and self.devices >= 1),
+                "an integer >= 1 or 'auto'",
+            ),
+            (
+                "activation_checkpointing",
+                isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto",
+                "true, false or 'auto'",
+            ),
+            (
+                "peak_flops",
+                self.peak_flops is None or (math.isfinite(self.peak_flops) and self.peak_flops > 0),
+                "a number of FLOP/s > 0",
+            ),
+            ("optimizer", self.optimizer in OPTIMIZERS, "one of " + ", ".join(OPTIMIZERS)),
+            (
+                "muon_lr_ratio",
+                math.isfinite(self.muon_lr_ratio) and self.muon_lr_ratio > 0,
+                "a finite number > 0",
+            ),
         ]
         for key, ok, requirement in checks:
             if not ok:
@@ -85,6 +119,59 @@ def resolve_device(name: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"trainer.device is {name!r} but only {torch.cuda.device_count()} GPU(s) exist")
     return device
+
+
+def resolve_devices(cfg: TrainerConfig) -> list[torch.device]:
+    """The devices of this peer's local workers, in rank order (see `local.py`).
+
+    On CPU every rank is "cpu" (N processes share the cores) and "auto" means one. On CUDA, rank r
+    uses the r-th GPU from `trainer.device` on, and "auto" means every GPU from there.
+    """
+    first = resolve_device(cfg.device)
+    if first.type == "cpu":
+        count, cores = (1 if cfg.devices == "auto" else int(cfg.devices)), len(os.sched_getaffinity(0))
+        if count > cores:  # more CPU ranks than cores only adds contention
+            raise ValueError(f"trainer.devices is {count} on CPU but this machine has {cores} core(s)")
+        return [first] * count
+    base = first.index if first.index is not None else 0
+    available = torch.cuda.device_count() - base
+    count = available if cfg.devices == "auto" else int(cfg.devices)
+    if count > available:
+        raise ValueError(f"trainer.devices is {count} but only {available} GPU(s) from cuda:{base} on exist")
+    return [torch.device("cuda", base + rank) for rank in range(count)]
+
+
+def checkpointing_enabled(cfg: TrainerConfig, preset: str, device: torch.device) -> bool:
+    """Whether to recompute each block's activations in backward (memory for compute)."""
+    if isinstance(cfg.activation_checkpointing, bool):
+        return cfg.activation_checkpointing
+    return device.type == "cuda" and preset in _CHECKPOINTED_PRESETS
+
+
+def _cpu_threads(cfg: TrainerConfig, device: torch.device, local_ranks: int) -> int:
+    """Threads for this rank; 0 leaves torch's default. N CPU ranks split the cores rather than
+    each taking all of them, which would oversubscribe the machine N times."""
+    if cfg.threads > 0:
+        return cfg.threads
+    if device.type == "cpu" and local_ranks > 1:
+        return max(1, len(os.sched_getaffinity(0)) // local_ranks)
+    return 0
+
+
+class Followers(Protocol):
+    """The other ranks of this peer's local group (`local.LocalGroup`), driven by rank 0's trainer.
+
+    Each call is a collective: every rank takes part, so rank 0 calls them only from its trainer thread.
+    """
+
+    def before_step(self, step: int, data_position: int) -> None:
+        """Tell the other ranks to take the same inner step (same lr, their own batches)."""
+
+    def after_load(self) -> None:
+        """Rank 0's parameters were overwritten: copy them to every rank."""
+
+    def after_restore(self) -> None:
+        """Rank 0's whole state (parameters and optimizer moments) was replaced: copy it to every rank."""
 
 
 def lr_at(step: int, cfg: TrainerConfig) -> float:
@@ -132,15 +219,29 @@ class InnerTrainer:
         seed: int,
         peer_key: str,
         corpus: Corpus | None = None,
+        rank: int = 0,
     ) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
+        self.model_cfg, self.data_cfg, self.seed, self.peer_key = model_cfg, data_cfg, seed, peer_key
+        self.rank = rank
+        self.devices = resolve_devices(cfg)
+        if not 0 <= rank < len(self.devices):
+            raise ValueError(f"rank {rank} is outside the {len(self.devices)} local device(s)")
+        self.device = self.devices[rank]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL and stray allocations go to this rank's GPU
+        threads = _cpu_threads(cfg, self.device, len(self.devices))
+        if threads > 0:
+            torch.set_num_threads(threads)
         # Same seed on every peer -> same starting parameters, with no transfer needed.
         self.model: Transformer = build_model(model_cfg, seed).to(self.device)
         self.model.train()
+        self.model.activation_checkpointing = checkpointing_enabled(cfg, model_cfg.preset, self.device)
+        self.world_size = 1  # ranks training together; more once a local group joins (`local.py`)
+        self._followers: Followers | None = None
+        # What runs the training forward/backward: the model, maybe compiled, maybe data-parallel.
+        self._train_model: nn.Module = self._compiled(self.model)
         if cfg.seq_len > self.model.spec.max_seq_len:
             raise ValueError(
                 f"trainer.seq_len must be <= {self.model.spec.max_seq_len} "
@@ -154,6 +255,7 @@ class InnerTrainer:
             num_shards=data_cfg.num_shards,
             batch_size=cfg.batch_size,
             seq_len=cfg.seq_len,
+            stream=rank,  # each local rank draws its own windows from the peer's shard
         )
         self.eval_set = eval_batches(
             self.corpus.eval,
@@ -173,16 +275,44 @@ class InnerTrainer:
         named = dict(self.model.named_parameters())
         return [named[name] for name in self.model.state_dict() if name in named]
 
-    def _make_optimizer(self) -> torch.optim.AdamW:
-        # Weight decay on matrices only: decaying RMSNorm gains just fights the normalisation.
-        decay = [p for p in self._params if p.ndim >= 2]
-        no_decay = [p for p in self._params if p.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        fused = self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=lr_at(0, self.cfg), betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    def _make_optimizer(self) -> InnerOptimizer:
+        """AdamW, or Muon for the blocks' matrices with AdamW for the rest (see `optim.py`)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return make_inner_optimizer(
+            [(names[id(p)], p) for p in self._params],
+            kind=self.cfg.optimizer,
+            lr=lr_at(0, self.cfg),
+            weight_decay=self.cfg.weight_decay,
+            muon_lr_ratio=self.cfg.muon_lr_ratio,
+            fused=self.device.type == "cuda",
+        )
+
+    def _compiled(self, module: nn.Module) -> nn.Module:
+        return torch.compile(module) if self.cfg.compile else module  # type: ignore[return-value]
+
+    def join_local_group(self, world_size: int, followers: Followers | None) -> None:
+        """Train as one rank of `world_size` (torch.distributed is initialised by `local.py`).
+
+        Gradients are averaged across ranks inside backward (DDP's bucketed all-reduce overlaps it with
+        the rest of backward), so every rank applies the same update to the same parameters. Rank 0
+        passes its `followers`, which it drives at each step; the other ranks pass None.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            forward_sync_buffers=False,  # the model has no buffers: no collective per forward
+        )
+        self._train_model = self._compiled(ddp)
+        self.world_size = world_size
+        self._followers = followers
+
+    def leave_local_group(self) -> None:
+        """Train alone again (after `local.LocalGroup.stop`)."""
+        self._train_model = self._compiled(self.model)
+        self.world_size = 1
+        self._followers = None
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         # bf16 on GPUs (tensor cores, no loss scaling needed); CPU bf16 is slow on most hosts.
@@ -194,32 +324,60 @@ class InnerTrainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.batch_size * self.cfg.seq_len
+        """Tokens of one inner step on all local ranks together."""
+        return self.cfg.batch_size * self.cfg.seq_len * self.world_size
+
+    @property
+    def flops_per_token(self) -> float:
+        return flops.flops_per_token(self.model.spec, self.cfg.seq_len, count_params(self.model))
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of all the ranks together; None when unknown (a CPU, or a GPU not in the table)."""
+        one = self.cfg.peak_flops
+        if one is None and self.device.type == "cuda":
+            one = flops.known_peak_flops(torch.cuda.get_device_name(self.device))
+        return None if one is None else one * self.world_size
+
+    def mfu(self, tokens_per_second: float) -> float | None:
+        """Model FLOPs utilization of this peer at `tokens_per_second` (None when the peak is unknown)."""
+        return flops.mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
 
     def params(self) -> list[torch.nn.Parameter]:
         """The model's parameters in ``model.state_dict()`` order (no buffers)."""
         return list(self._params)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         with self._autocast():
-            logits = self.model(x)
+            logits = model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def _one_step(self) -> torch.Tensor:
+        if self._followers is not None:
+            self._followers.before_step(self.step, self.data_position)
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss = self._loss(*self.sampler.batch(self.data_position))
-        loss.backward()
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group may scale the schedule
+        loss = self._loss(self._train_model, *self.sampler.batch(self.data_position))
+        loss.backward()  # with a local group, this also averages the gradients across ranks
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.data_position += 1
-        return loss.detach()
+        loss = loss.detach()
+        if self.world_size > 1:  # report the loss of the node's whole batch, not rank 0's share
+            dist.all_reduce(loss)
+            loss = loss / self.world_size
+        return loss
+
+    def follow_step(self, step: int, data_position: int) -> None:
+        """A rank > 0 of a local group takes the step rank 0 announced (same lr, its own batch)."""
+        self.step, self.data_position = step, data_position
+        self._one_step()
 
     def train_steps(
         self,
@@ -253,7 +411,7 @@ class InnerTrainer:
         """Mean loss over the run's fixed eval batches (identical on every peer)."""
         self.model.eval()
         try:
-            losses = [self._loss(x, y) for x, y in self.eval_set]
+            losses = [self._loss(self.model, x, y) for x, y in self.eval_set]
             return torch.stack(losses).mean().item()
         finally:
             self.model.train()
@@ -262,7 +420,15 @@ class InnerTrainer:
 
     def working_params_fp32(self) -> list[torch.Tensor]:
         """CPU fp32 copies of ``params()``, safe to keep while training continues."""
-        return [p.detach().to("cpu", torch.float32, copy=True) for p in self._params]
+        if self.device.type != "cuda":
+            return [p.detach().to("cpu", torch.float32, copy=True) for p in self._params]
+        # Into pinned host memory (torch caches those blocks after the first round), as DMA copies
+        # queued back to back, with one wait at the end rather than one stall per tensor.
+        copies = [torch.empty(p.shape, dtype=torch.float32, pin_memory=True) for p in self._params]
+        for copy, param in zip(copies, self._params, strict=True):
+            copy.copy_(param.detach(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return copies
 
     def load_params(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrite the parameters in place (optimizer state is kept, as DiLoCo prescribes)."""
@@ -273,7 +439,12 @@ class InnerTrainer:
                 raise ValueError(f"tensor {i} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():
             for param, tensor in zip(self._params, tensors, strict=True):
-                param.copy_(tensor)
+                # Asynchronous from pinned memory (θ_global is pinned on CUDA, see OuterOptimizer.pin_memory)
+                param.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the caller may change `tensors` next
+        if self._followers is not None:
+            self._followers.after_load()
 
     # ------------------------------------------------------------ checkpointing
 
@@ -286,6 +457,7 @@ class InnerTrainer:
             "version": _STATE_VERSION,
             "model": _to_cpu_copy(dict(self.model.state_dict())),
             "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
+            "optimizer_kind": self.cfg.optimizer,
             "step": self.step,
             "data_position": self.data_position,
         }
@@ -293,13 +465,19 @@ class InnerTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; raises ValueError if it does not fit this trainer."""
         self._check_state(state)
+        # Keep this trainer's hyper-parameters (current config, fused flag for this device) and take
+        # only the per-parameter moments; checked before anything is loaded, so a bad state changes nothing.
+        optimizer_state = with_saved_moments(self.optimizer, state["optimizer"])
         model_state = state["model"]
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.copy_(model_state[name])
-        self._load_optimizer_state(state["optimizer"])
+        # Cloned, so that training afterwards never mutates the caller's dict (load aliases tensors).
+        self.optimizer.load_state_dict(_to_cpu_copy(optimizer_state))
         self.step = int(state["step"])
         self.data_position = int(state["data_position"])
+        if self._followers is not None:
+            self._followers.after_restore()
 
     def _check_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
@@ -309,6 +487,11 @@ class InnerTrainer:
             raise ValueError(f"trainer state is missing {', '.join(missing)}")
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"trainer state has version {state.get('version')!r}, expected {_STATE_VERSION}")
+        kind = state.get("optimizer_kind", "adamw")  # states written before `trainer.optimizer` hold AdamW
+        if kind != self.cfg.optimizer:
+            raise ValueError(
+                f"trainer state holds {kind!r} optimizer moments, but trainer.optimizer is {self.cfg.optimizer!r}"
+            )
         ours = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
         theirs = {name: tuple(t.shape) for name, t in state["model"].items()}
         if ours.keys() != theirs.keys():
@@ -322,18 +505,3 @@ class InnerTrainer:
                 raise ValueError(
                     f"trainer state is for a different model: {name} has shape {theirs[name]}, expected {shape}"
                 )
-
-    def _load_optimizer_state(self, saved: dict[str, Any]) -> None:
-        # Keep this trainer's hyper-parameters (current config, fused flag for this device) and
-        # take only the per-parameter moments from the saved state.
-        try:
-            saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
-            moments = saved["state"]
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"trainer state has a malformed optimizer state ({exc!r})") from None
-        current = self.optimizer.state_dict()
-        if saved_sizes != [len(g["params"]) for g in current["param_groups"]]:
-            raise ValueError("trainer state's optimizer does not match this model's parameter groups")
-        # Clone so that training afterwards never mutates the caller's dict (load aliases tensors).
-        current["state"] = _to_cpu_copy(moments)
-        self.optimizer.load_state_dict(current)

@@ -352,14 +352,16 @@ function renderPeerTable(records, self, now) {
       <td class="mono" title="${esc(r.peer_id)}"><span class="sw" style="background:${esc(peerColour(r.peer_id))}"></span>${esc(shortId(r.peer_id))}${r.peer_id === self ? " (this node)" : ""}</td>
       <td>${esc(r.role)}</td><td><span class="badge ${esc(reach)}">${esc(reach)}</span></td>
       <td>${fmtInt(r.outer_step)}</td><td>${fmtInt(r.inner_step)}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
-      <td>${fmtInt(r.tokens_per_second)}</td><td>${fmtInt(r.group_size)}${r.alone ? " (alone)" : ""}</td>
+      <td>${fmtInt(r.tokens_per_second)}</td>
+      <td>${isNum(r.compute_utilization) ? Math.round(100 * r.compute_utilization) + "%" : "–"}</td>
+      <td>${fmtInt(r.group_size)}${r.alone ? " (alone)" : ""}</td>
       <td>${isNum(r.last_round_seconds) ? r.last_round_seconds.toFixed(1) + "s" : "–"}</td>
       <td>${fmtInt(r.rounds_ok)} / <span class="${r.rounds_failed > 0 ? "bad" : ""}">${fmtInt(r.rounds_failed)}</span></td>
       <td>${fmtInt(r.rejected_contributions)} / ${fmtInt(r.bans)}</td>
       <td class="mono">${esc(String(r.global_sha256 || "").slice(0, 12))}</td><td>${fmtAge(age)}</td>
       <td>${esc(r.version || "")}</td></tr>`;
   });
-  $("peers").innerHTML = rows.join("") || `<tr><td colspan="15" class="muted">no live peer records yet</td></tr>`;
+  $("peers").innerHTML = rows.join("") || `<tr><td colspan="16" class="muted">no live peer records yet</td></tr>`;
   $("peers-sub").textContent = `${records.length} live record${records.length === 1 ? "" : "s"}`;
 }
 

@@ -1,0 +1,47 @@
+"""`outer.overlap = delayed`: real peers average in the background while they train, and stay in step.
+
+The outer step of round k lands one round late, at the end of round k + 1, so a peer's inner step count
+is always at least H ahead of what its outer step alone would imply; θ_global still changes only by
+agreed averages, so every peer reports the same bits after every outer step.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import pytest
+
+from tests.harness import Swarm
+from tests.test_swarm import _ok_counts, _ok_hashes
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+H = 5  # tests.harness.FAST
+
+
+def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(3, "outer.overlap=delayed")
+    # A peer that starts a little late spends a few rounds catching up: give the run time to meet in full.
+    statuses = s.wait_all_at(8, timeout=300)
+
+    for step, found in _ok_hashes(statuses).items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
+    counts = _ok_counts(statuses)
+    assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"
+
+    # One round late: a peer never waits at the end of a round for that round's own average. (A peer
+    # that re-synced adopted another's outer step, so its own inner step count says nothing.)
+    never_resynced = [status for status in statuses if status["resyncs"] == 0]
+    assert never_resynced, "every peer had to re-sync"
+    for status in never_resynced:
+        assert status["inner_step"] >= (status["outer_step"] + 1) * H, status
+
+    evals = [e["eval_loss"] for e in statuses[0]["rounds"] if e["eval_loss"] is not None]
+    assert evals[-1] < evals[0], evals
+
+    # SIGTERM with a round possibly in flight: a clean exit with a checkpoint.
+    leaver = s.peers[0]
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(timeout=30) == 0
+    assert leaver.run_dir is not None and (leaver.run_dir / "checkpoint.pt").exists()
