@@ -118,11 +118,14 @@ class RoundKeeper:
         await self._judge(outcome)
         self.state.last_round_seconds = outcome.seconds
         self.metrics.round_seconds.observe(outcome.seconds)
-        if outcome.averaged is not None:
-            result = "ok" if outcome.contributors > 1 else "alone"  # e.g. only an auxiliary reducer met us
+        if outcome.averaged is not None and outcome.contributors > 1:
             # group_size counts the trainers that averaged; auxiliary reducers are not part of it.
-            await self._apply(outcome.averaged, result, outcome.contributors, outcome.seconds, sent=delta)
+            await self._apply(outcome.averaged, "ok", outcome.contributors, outcome.seconds, sent=delta)
             return "applied"
+        if outcome.averaged is not None:
+            # Only an auxiliary reducer met us. Applying our own Δ would move us to the next outer step on
+            # our own and fork the run while other peers train at this one: decide as if no group formed.
+            return await self._no_group(delta, outcome.seconds)
         if outcome.found_group and not outcome.in_majority and outcome.error is None:
             log.warning("our θ_global is not the group's at outer step %d: re-syncing", self.outer.step)
             self._count_failure("diverged", outcome.group_size, outcome.seconds)
