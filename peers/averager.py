@@ -37,7 +37,8 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from peers.allreduce import ExactAllReduceRunner, PartCheck, PartCodec, PartReduce
+from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
+from peers.wirecodec import PartCodec
 from proto import ProtoError, decode_ticket
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]

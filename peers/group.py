@@ -10,10 +10,11 @@ import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
-from peers.allreduce import PartCheck, PartCodec, PartReduce
+from peers.allreduce import PartCheck, PartReduce
 from peers.averager import RunAverager, StateProvider, round_group_bits
 from peers.errors import PeersError
 from peers.node import Node, stop_child
+from peers.wirecodec import PartCodec
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.codecs import Codec, ErrorFeedback, make_codec, roundtrip
-from peers.allreduce import PartCodec
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.node import Node, NodeOptions
+from peers.wirecodec import PartCodec
 from proto import encode_ticket
 
 pytestmark = pytest.mark.integration

@@ -59,7 +59,7 @@ def test_cuda_trainer_uses_bf16_fused_adamw_and_pinned_copies(data: DataConfig) 
 def test_mfu_is_reported_for_a_known_gpu(data: DataConfig) -> None:
     name = torch.cuda.get_device_name(0)
     if known_peak_flops(name) is None:
-        pytest.skip(f"{name} is not in the table of peaks")
+        pytest.skip(f"{name} is not in the table of peaks (GPU-only test; CI has no GPU)")
     trainer = InnerTrainer(ModelConfig("tiny"), data, CFG, seed=0, peer_key="gpu")
     stats = trainer.train_steps(5)
     value = trainer.mfu(stats.tokens / stats.seconds)
@@ -76,7 +76,7 @@ def test_1b_fits_one_80gb_gpu(data: DataConfig) -> None:
     (fp32, 4 GB) pinned on the host."""
     total = torch.cuda.get_device_properties(0).total_memory
     if total < 79e9:
-        pytest.skip(f"the GPU has {total / 1e9:.0f} GB")
+        pytest.skip(f"the GPU has {total / 1e9:.0f} GB (GPU-only test; CI has no GPU)")
     cfg = replace(load_config(REPO / "configs" / "1b.toml").trainer, device="cuda")
     trainer = InnerTrainer(ModelConfig("1b"), data, cfg, seed=0, peer_key="gpu")
     assert trainer.model.activation_checkpointing  # auto: on for 1b on CUDA
@@ -91,7 +91,7 @@ def test_1b_fits_one_80gb_gpu(data: DataConfig) -> None:
 
 def test_two_gpus_stay_identical(data: DataConfig) -> None:
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+        pytest.skip("needs 2 GPUs (GPU-only test; CI has no GPU)")
     trainer = InnerTrainer(ModelConfig("tiny"), data, replace(CFG, devices=2), seed=0, peer_key="gpu")
     group = LocalGroup(trainer)
     group.start()

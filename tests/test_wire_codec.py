@@ -12,8 +12,9 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from dilocod.codecs import CODEC_NAMES, make_codec, roundtrip
-from peers.allreduce import (
-    BufferingReducer,
+from peers.allreduce import BufferingReducer, weighted_mean
+from peers.averager import round_group_bits
+from peers.wirecodec import (
     CodecCompression,
     PartCodec,
     decode_message,
@@ -21,9 +22,7 @@ from peers.allreduce import (
     encode_or_empty,
     payload_message,
     requantize,
-    weighted_mean,
 )
-from peers.averager import round_group_bits
 
 LOSSY = [name for name in CODEC_NAMES if name != "none"]
 
