@@ -3,11 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# py-libp2p for `dilocod bootstrap --relay` (peers/relay.py): its own site directory, never the venv's
+# site-packages, because it pins protobuf < 7 where hivemind's grpcio-tools wants >= 7.
+RELAY_SITE := $(VENV)/libp2p-site
+RELAY_STAMP := $(RELAY_SITE)/.installed
 PEERS ?= 3
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test lint venv relay clean bench
 
-venv: $(STAMP)
+venv: $(STAMP) $(RELAY_STAMP)
+
+relay: $(RELAY_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,10 +23,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+$(RELAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --upgrade --target $(RELAY_SITE) libp2p==0.8.1
+	touch $(RELAY_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/dilocod demo --peers $(PEERS)
 
-test: $(STAMP)
+test: $(STAMP) $(RELAY_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)

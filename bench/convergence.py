@@ -37,17 +37,27 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "h10-int4": ("trainer.inner_steps=10", "averaging.compression=int4"),
     "h10-int2": ("trainer.inner_steps=10", "averaging.compression=int2"),
     "h10-delayed": ("trainer.inner_steps=10", "outer.overlap=delayed"),
+    # Streaming DiLoCo: 2 fragments, each synced once per 10 steps, one every 5 steps
+    "h10-streaming": ("trainer.inner_steps=10", "outer.overlap=streaming", "outer.fragments=2"),
     "h10-muon": ("trainer.inner_steps=10", "trainer.optimizer=muon"),
     "h10-muon-int2": ("trainer.inner_steps=10", "trainer.optimizer=muon", "averaging.compression=int2"),
 }
 
 
-def inner_steps(overrides: tuple[str, ...]) -> int:
-    return next(int(o.split("=")[1]) for o in overrides if o.startswith("trainer.inner_steps="))
+def setting(overrides: tuple[str, ...], key: str, default: str) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), default)
+
+
+def outer_rounds(overrides: tuple[str, ...], steps: int) -> int:
+    """Outer steps in `steps` inner steps: one per H, or one per H / fragments with streaming."""
+    every = int(setting(overrides, "trainer.inner_steps", "0"))
+    if setting(overrides, "outer.overlap", "none") == "streaming":
+        every //= int(setting(overrides, "outer.fragments", "4"))
+    return steps // every
 
 
 def run_variant(root: Path, peers: int, steps: int, overrides: tuple[str, ...]) -> dict[str, float]:
-    rounds = steps // inner_steps(overrides)
+    rounds = outer_rounds(overrides, steps)
     settings = (*FAST, f"averaging.group_size={peers}", "trainer.eval_batches=8", *overrides)
     s = Swarm(root, overrides=settings)
     try:

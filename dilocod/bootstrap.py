@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,12 @@ from dilocod.helper import AuxReducer
 from dilocod.history import RunHistory
 from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
-from dilocod.runtime import install_stop_signals
+from dilocod.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from dilocod.runview import read_run
+from peers.errors import PeersError
 from peers.node import Node, NodeOptions, first_public_maddrs
+from peers.reachability import free_ports
+from peers.relay import RELAY_IDENTITIES, RelayProcess, public_ipv4
 
 log = logging.getLogger("dilocod.bootstrap")
 
@@ -38,6 +43,8 @@ class BootstrapArgs:
     initial_peers: tuple[str, ...] = ()
     config: Config | None = None  # the run's config: model shapes and deadlines for the aux reducer
     reduce: bool = True  # join every round as an auxiliary reducer (peers behind NAT need one)
+    relay: bool = False  # run a circuit relay that carries pseudo-gradients between NATed peers
+    relay_port: int = 0  # first of the relay's ports (0: bootstrap port + 1, or free ports)
 
 
 class BootstrapDaemon:
@@ -49,6 +56,8 @@ class BootstrapDaemon:
         self.http: HttpServer | None = None
         self.history = RunHistory()
         self.aux: AuxReducer | None = None
+        self.relay: RelayProcess | None = None
+        self.relays: list[str] = []
         self.started = time.time()
         self._peers: list[dict[str, Any]] = []
 
@@ -65,18 +74,28 @@ class BootstrapDaemon:
                     identity_path=str(self.args.identity_path) if self.args.identity_path else None,
                     relay_service=True,
                     reachability="public",
+                    auth=self.args.config.run.auth() if self.args.config is not None else None,
                 )
             )
             if self.args.identity_path is not None:
                 self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
             await loop.run_in_executor(None, self.node.start)
             tasks = self._start_reducing()
+            self.relays = await loop.run_in_executor(None, self._start_relay)
+            # After the aux reducer's fork: peers ask us whether they are reachable (a dial-back), and
+            # learn the relays there.
+            await self.node.serve_dialback(self.relays)
             if self.args.http_port is not None:
                 self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
             self._announce()
             await self._watch_until_stopped()
+            if self.aux is not None and self.aux.group.in_allreduce:
+                # A reducer that vanishes mid-round leaves the group with partial means: finish serving
+                # the parts we hold (the round ends on its own deadline at the latest), then stop.
+                log.info("stopping after the round being reduced (at most %.0fs)", STOP_GRACE_SECONDS)
+                await asyncio.wait(tasks, timeout=STOP_GRACE_SECONDS)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -85,6 +104,9 @@ class BootstrapDaemon:
                 await self.http.stop()
             if self.aux is not None:
                 await loop.run_in_executor(None, self.aux.stop)
+            if self.relay is not None:
+                await loop.run_in_executor(None, self.relay.stop)
+                shutil.rmtree(self.relay.workdir, ignore_errors=True)  # its temporary log and address file
             if self.node is not None:
                 await loop.run_in_executor(None, self.node.stop)
         return 0
@@ -98,6 +120,33 @@ class BootstrapDaemon:
         install_stop_signals(self.stopping)
         log.info("reducing for the run as an auxiliary peer (--no-reduce turns this off)")
         return [asyncio.create_task(self.aux.serve(self.stopping, self.run_view))]
+
+    def _start_relay(self) -> list[str]:
+        """Start the py-libp2p relay child (peers/relay.py) on our public IP; its multiaddrs."""
+        if not self.args.relay:
+            return []
+        assert self.node is not None
+        ip = self._public_ip()
+        first = self.args.relay_port or (self.args.port + 1 if self.args.port else 0)
+        ports = [first + i for i in range(RELAY_IDENTITIES)] if first else free_ports(ip, RELAY_IDENTITIES)
+        self.relay = RelayProcess(ip, ports, Path(tempfile.mkdtemp(prefix="dilocod-relay-")))
+        maddrs = self.relay.start()
+        log.info(
+            "relaying for peers behind NAT (log: %s): %s", self.relay.workdir / "relay.log", " ".join(maddrs)
+        )
+        return maddrs
+
+    def _public_ip(self) -> str:
+        """The IPv4 address the relay listens on and announces: --announce, --host, or what p2pd sees."""
+        assert self.node is not None
+        ip = public_ipv4([*self.args.announce, f"/ip4/{self.args.host}/tcp/0", *self.node.visible_maddrs()])
+        if ip is None and self.args.host.startswith("127."):  # a bootstrap on loopback relays on loopback
+            ip = self.args.host
+        if ip is None:
+            raise PeersError(
+                "--relay needs the bootstrap's public IPv4 address: pass --announce /ip4/IP/tcp/PORT"
+            )
+        return ip
 
     def _display_host(self) -> str:
         return "127.0.0.1" if self.args.http_host in ("0.0.0.0", "::") else self.args.http_host
@@ -135,8 +184,17 @@ class BootstrapDaemon:
             "run_id": self.args.run_id,
             "role": "bootstrap",
             "maddrs": first_public_maddrs(node.visible_maddrs()) if live and node else [],
+            "relays": list(self.relays),
             "peers_known": len(self._peers),
             "outer_step": max((p["outer_step"] for p in self._peers), default=0),
             "uptime_seconds": time.time() - self.started,
             "version": __version__,
+            # What it did as an auxiliary reducer (null with --no-reduce).
+            "reducer": None
+            if self.aux is None
+            else {
+                "rounds_reduced": self.aux.rounds_reduced,
+                "bytes_sent": self.aux.bytes_sent,
+                "bytes_received": self.aux.bytes_received,
+            },
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     join.add_argument("--host", help="listen address (overrides net.host)")
     join.add_argument("--port", type=_port, help="listen port (overrides net.port)")
+    join.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="public address to advertise, e.g. a port forward's (overrides net.announce; repeatable)",
+    )
     join.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API (default 127.0.0.1)")
     join.add_argument("--http-port", type=_port, help="serve /metrics and /api/status on this port")
     join.add_argument(
@@ -76,6 +84,17 @@ def _parser() -> argparse.ArgumentParser:
         "--no-reduce",
         action="store_true",
         help="do not reduce for the run (peers behind NAT then need another)",
+    )
+    boot.add_argument(
+        "--relay",
+        action="store_true",
+        help="relay pseudo-gradients between peers behind NAT (py-libp2p circuit relay, `make relay`)",
+    )
+    boot.add_argument(
+        "--relay-port",
+        type=_port,
+        default=0,
+        help="first of the relay's 4 ports (default: --port + 1, or free ports with --port 0)",
     )
     boot.add_argument("--maddr-file", type=Path, help="also write the multiaddrs to this file")
     boot.add_argument("--identity", type=Path, help="key file for a stable peer id across restarts")
@@ -145,6 +164,8 @@ def join_overrides(args: argparse.Namespace) -> list[str]:
         overrides.append(f"net.port={args.port}")
     if args.devices is not None:
         overrides.append(f"trainer.devices={args.devices}")
+    if args.announce:
+        overrides.append(f"net.announce={json.dumps(list(args.announce))}")  # a TOML array of strings
     return overrides
 
 
@@ -158,6 +179,8 @@ def _join(args: argparse.Namespace) -> int:
     config = load_config(args.config, join_overrides(args))
     for text in args.peers:
         parse_multiaddr(text)
+    for text in config.net.announce:
+        parse_multiaddr(text, need_peer_id=False)
     run_dir = args.run_dir or Path("runs") / config.run.id
     setup_logging(run_dir / "dilocod.log", verbose=args.verbose)
     daemon_args = PeerArgs(config, run_dir, tuple(args.peers), args.http_host, args.http_port)
@@ -185,6 +208,11 @@ def _bootstrap(args: argparse.Namespace) -> int:
         parse_multiaddr(text)
     for text in args.announce:
         parse_multiaddr(text, need_peer_id=False)
+    if args.relay:
+        from peers.relay import relay_available
+
+        if (missing := relay_available()) is not None:
+            return _fail(f"--relay: {missing}", EXIT_USAGE)
     overrides = [*args.overrides, *([f'run.id="{args.run_id}"'] if args.run_id is not None else [])]
     config = load_config(args.config, overrides)
     setup_logging(None, verbose=args.verbose)
@@ -200,6 +228,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
         initial_peers=tuple(args.peers),
         config=config,
         reduce=not args.no_reduce,
+        relay=args.relay,
+        relay_port=args.relay_port,
     )
 
     async def _main() -> int:

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
@@ -22,7 +22,10 @@ from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.inner import TrainerConfig
-from dilocod.trainer.model import PRESETS, ModelConfig
+from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
+
+if TYPE_CHECKING:
+    from peers.auth import RunAuth
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -37,12 +40,25 @@ class RunConfig:
 
     id: str = DEFAULT_RUN_ID
     seed: int = 0
+    # Who may take part (peers/auth.py): a shared secret of >= 16 characters, or "file:<path>" naming a
+    # file of allowed peer ids; unset = an open run. A secret: never printed (no repr, redacted in describe).
+    key: str | None = field(default=None, repr=False)
+
+    def auth(self) -> RunAuth | None:
+        from peers.auth import parse_run_key
+        from peers.errors import PeersError
+
+        try:
+            return parse_run_key(self.key)
+        except PeersError as e:
+            raise ValueError(str(e)) from None
 
     def validate(self) -> None:
         if not _RUN_ID.match(self.id):
             raise ValueError(
                 f"run.id must be 1-64 characters of letters, digits, '-' or '_', got '{self.id}'"
             )
+        self.auth()  # an empty secret, an unreadable file or a malformed line fails here, as one line
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,11 @@ class AveragingConfig:
     screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
     ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
     compression: str = "none"  # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts travel
+    # Deadlines follow recent rounds: factor × the longest of the last 8 successful ones, between a floor
+    # and the timeouts above (the ceilings). See peers/deadlines.py.
+    adaptive_deadlines: bool = True
+    deadline_factor: float = 3.0
+    min_allreduce_timeout: float = 5.0  # floor of the adaptive all-reduce deadline
 
     def reducer_config(self) -> ReducerConfig:
         return ReducerConfig(self.reducer, self.trim_fraction, self.clip_tau, self.clip_iters, self.clip_tol)
@@ -95,6 +116,13 @@ class AveragingConfig:
             )
         if not self.state_timeout > 0:
             raise ValueError(f"averaging.state_timeout must be > 0, got {self.state_timeout}")
+        if not self.deadline_factor >= 1:
+            raise ValueError(f"averaging.deadline_factor must be >= 1, got {self.deadline_factor}")
+        if not 0 < self.min_allreduce_timeout <= self.allreduce_timeout:
+            raise ValueError(
+                "averaging.min_allreduce_timeout must be > 0 and <= averaging.allreduce_timeout "
+                f"({self.min_allreduce_timeout} vs {self.allreduce_timeout})"
+            )
         if not self.ban_seconds > 0:
             raise ValueError(f"averaging.ban_seconds must be > 0, got {self.ban_seconds}")
         if self.compression not in CODEC_NAMES:
@@ -134,8 +162,13 @@ class NetConfig:
     announce: tuple[str, ...] = ()  # multiaddrs to advertise (port-forwarded hosts)
     reachability: str = "auto"  # auto | public | private
     status_interval: float = 5.0  # seconds between this peer's status records in the DHT
+    # Download bandwidth in Mbit/s. Reducers get shares of the parts in proportion (hivemind's load
+    # balancing); unset = the mean of the group's stated values, or equal shares when nobody states one.
+    bandwidth: float | None = None
 
     def validate(self) -> None:
+        if self.bandwidth is not None and not 0 < self.bandwidth < 1e7:
+            raise ValueError(f"net.bandwidth must be a positive number of Mbit/s, got {self.bandwidth}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"net.port must be in 0..65535, got {self.port}")
         if self.reachability not in ("auto", "public", "private"):
@@ -162,6 +195,31 @@ class Config:
             validate = getattr(getattr(self, section.name), "validate", None)
             if validate is not None:
                 validate()
+        if self.outer.overlap == "streaming":
+            self._validate_streaming()
+
+    def _validate_streaming(self) -> None:
+        """Fragments are whole parameter tensors, and each takes its turn H / fragments steps apart."""
+        fragments, steps = self.outer.fragments, self.trainer.inner_steps
+        tensors = num_parameter_tensors(self.model.preset)
+        if fragments > tensors:
+            raise ValueError(
+                f"outer.fragments must be <= the {tensors} parameter tensors of preset "
+                f"'{self.model.preset}', got {fragments}"
+            )
+        if steps % fragments != 0:
+            raise ValueError(
+                f"trainer.inner_steps must be a multiple of outer.fragments with outer.overlap = streaming "
+                f"(one fragment syncs every inner_steps / fragments steps), got {steps} and {fragments}"
+            )
+
+
+def num_parameter_tensors(preset: str) -> int:
+    """How many parameter tensors the preset's model has (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        return len(list(Transformer(PRESETS[preset]).parameters()))
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -283,4 +341,7 @@ _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:
     """The effective config as plain data (for logs and the status API)."""
-    return {f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    described = {f.name: dataclasses.asdict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if config.run.key is not None and not config.run.key.strip().startswith("file:"):
+        described["run"]["key"] = "(secret)"
+    return described

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +35,17 @@ from dilocod.http import HttpServer
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState
 from dilocod.progress import show_progress
-from dilocod.rounds import RoundKeeper
-from dilocod.runtime import install_stop_signals
+from dilocod.rounds import RoundKeeper, make_round_keeper
+from dilocod.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from dilocod.runview import STATUS_KEY, read_run
 from dilocod.trainer import InnerTrainer, LocalGroup, StepStats
 from peers.group import AveragingOptions, GroupAverager
-from peers.node import Node, NodeOptions
+from peers.node import Node, NodeOptions, first_public_maddrs
+from peers.reachability import Reachability, detect_reachability, free_tcp_port
 from proto import encode_status
 
 log = logging.getLogger("dilocod.daemon")
-
-STOP_GRACE_SECONDS = 15.0  # how long a running all-reduce may finish after a stop signal
+RELAY_RESERVATION_SECONDS = 20.0  # how long a private peer waits for a slot on the bootstrap's relay
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class PeerDaemon:
         await loop.run_in_executor(self.train_pool, self._start_local_group)
         await self._start_http()
         assert self.trainer is not None and self.outer is not None and self.group is not None
-        self.rounds = RoundKeeper(
+        self.rounds = make_round_keeper(
             self.cfg,
             self.state,
             self.metrics,
@@ -216,19 +216,36 @@ class PeerDaemon:
         assert self.outer is not None
         loop = asyncio.get_running_loop()
         net = self.cfg.net
-        self.node = Node(
-            NodeOptions(
-                run_id=self.cfg.run.id,
-                initial_peers=self.args.initial_peers,
-                host=net.host,
-                port=net.port,
-                announce=net.announce,
-                identity_path=str(self.args.run_dir / "identity.key"),
-                client_mode=net.reachability == "private",
-                reachability=None if net.reachability == "auto" else net.reachability,
-            )
+        port, reach = await self._detect_reachability()
+        # A private peer offered relays that carry tensors (`dilocod bootstrap --relay`) becomes a full
+        # node reachable through them: NAT↔NAT averaging without a public reducer in between.
+        via_relay = not reach.public and bool(reach.relays)
+        node_options = NodeOptions(
+            run_id=self.cfg.run.id,
+            initial_peers=self.args.initial_peers,
+            host=net.host,
+            port=port,
+            announce=net.announce,
+            identity_path=str(self.args.run_dir / "identity.key"),
+            client_mode=not (reach.public or via_relay),
+            reachability=reach.name,
+            auto_relay=via_relay,
+            trusted_relays=reach.relays if via_relay else (),
+            auth=self.cfg.run.auth(),  # signs our records; refuses peers without the run key
         )
+        self.node = Node(node_options)
         await loop.run_in_executor(None, self.node.start)
+        if via_relay and not await self.node.await_relay_reservation(RELAY_RESERVATION_SECONDS):
+            # A full node nobody can reach would stall every group it joins: be a client instead.
+            log.warning(
+                "no relay reservation after %.0fs: running as a client (through public reducers) instead",
+                RELAY_RESERVATION_SECONDS,
+            )
+            await loop.run_in_executor(None, self.node.stop)
+            via_relay = False
+            client = replace(node_options, client_mode=True, auto_relay=False, trusted_relays=())
+            self.node = Node(client)
+            await loop.run_in_executor(None, self.node.start)
         avg = self.cfg.averaging
         options = AveragingOptions(
             # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
@@ -238,7 +255,11 @@ class PeerDaemon:
             matchmaking_timeout=avg.matchmaking_timeout,
             allreduce_timeout=avg.allreduce_timeout,
             request_timeout=avg.request_timeout,
-            mode="client" if net.reachability == "private" else "node",
+            adaptive_deadlines=avg.adaptive_deadlines,
+            deadline_factor=avg.deadline_factor,
+            min_allreduce_timeout=avg.min_allreduce_timeout,
+            bandwidth=self.cfg.net.bandwidth,
+            mode="node" if reach.public or via_relay else "client",
             reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
             # `mean` is the undefended baseline: no receiver-side check either.
             check_part=make_part_check(avg.screening_config()) if avg.reducer != "mean" else None,
@@ -252,8 +273,34 @@ class PeerDaemon:
         install_stop_signals(self.stopping)
         self.group.set_banned(self.bans.peer_ids())
         self.state.peer_id = self.node.peer_id
-        self.state.maddrs = self.node.visible_maddrs()
-        self.state.reachability = "private" if net.reachability == "private" else "public"
+        self.state.maddrs = self.node.visible_maddrs(latest=True)
+        self.state.reachability = reach.name
+        # A private peer's pseudo-gradients reach the others through a relay or a public reducer.
+        self.state.relayed = not reach.public
+        if reach.public:  # public peers dial back others too (the bootstrap is not the only prober)
+            await self.node.serve_dialback()
+        log.info(
+            "reachability: %s (%s); relayed: %s; addresses: %s",
+            reach.name, reach.reason, "yes" if self.state.relayed else "no",
+            ", ".join(self.state.maddrs if via_relay else first_public_maddrs(self.state.maddrs))
+            or "(client mode: none)",
+        )  # fmt: skip
+        if via_relay:
+            log.info("private peer in full mode through %d relay(s) of the bootstrap", len(reach.relays))
+
+    async def _detect_reachability(self) -> tuple[int, Reachability]:
+        """Public or private (net.reachability, or a dial-back through an initial peer), and the port."""
+        net = self.cfg.net
+        if net.reachability != "auto":
+            return net.port, Reachability(net.reachability == "public", "set by net.reachability")
+        # The probe's p2pd and the DHT after it must listen on the same port, so pick it now.
+        port = net.port or free_tcp_port(net.host)
+        reach = await detect_reachability(self.args.initial_peers, net.host, port, net.announce)
+        if not reach.public and not reach.observed_ip:  # nobody answered: say so loudly
+            log.warning(
+                "reachability check failed, running as a private peer (client mode): %s", reach.reason
+            )
+        return port, reach
 
     async def _start_http(self) -> None:
         if self.args.http_port is None:
@@ -265,7 +312,7 @@ class PeerDaemon:
     async def main_loop(self) -> None:
         assert self.rounds is not None
         await self.rounds.catch_up()
-        H = self.cfg.trainer.inner_steps
+        H = self.rounds.sync_every  # inner steps between syncs (H / fragments with streaming)
         while not self.stopping.is_set():
             if self.state.round_steps == 0 and self.state.outer_step > 0:
                 await self.rounds.check_agreement()
@@ -275,7 +322,7 @@ class PeerDaemon:
             if self.state.round_steps < H:
                 continue
             await self._until_stopped(self.rounds.sync(stats), grace=STOP_GRACE_SECONDS)
-            if not self.stopping.is_set():
+            if not self.stopping.is_set() and self.rounds.checkpoint_due:
                 await self.checkpoint()
 
     async def _until_stopped(self, work: Any, grace: float) -> None:
@@ -287,6 +334,8 @@ class PeerDaemon:
         if not task.done():
             # Still matchmaking: leave at once. Exchanging tensors: finish serving our parts first.
             in_allreduce = self.group is not None and self.group.in_allreduce
+            if in_allreduce:
+                log.info("stopping after the all-reduce in progress (our parts; at most %.0fs)", grace)
             done, _ = await asyncio.wait({task}, timeout=grace if in_allreduce else 0.0)
             if not done:
                 task.cancel()
@@ -404,7 +453,12 @@ class PeerDaemon:
 
     # ---- observability -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        return self.state.status()
+        status = self.state.status()
+        if self.group is not None:  # the deadlines the next round will use (they follow recent rounds)
+            status["in_allreduce"] = self.group.in_allreduce
+            status["matchmaking_deadline"] = round(self.group.deadlines.matchmaking, 3)
+            status["allreduce_deadline"] = round(self.group.deadlines.allreduce, 3)
+        return status
 
     async def run_view(self) -> list[dict[str, Any]]:
         if self.node is None or self.node.dht is None:

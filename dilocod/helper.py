@@ -20,6 +20,7 @@ import torch
 from dilocod import __version__
 from dilocod.aggregation.pipeline import make_part_reduce
 from dilocod.config import Config
+from dilocod.diloco.fragments import fragment_of, split_fragments
 from dilocod.trainer.model import PRESETS, Transformer
 from peers.group import AveragingOptions, GroupAverager
 from peers.node import Node
@@ -47,11 +48,18 @@ class AuxReducer:
         avg = cfg.averaging
         options = AveragingOptions(
             target_group_size=avg.group_size + 1,  # as the peers: the helper takes no trainer's seat
-            min_group_size=avg.min_group_size,
+            # Nor counts as one: a group of the helper and a single trainer is no round for that trainer
+            # (it retries the step), and private peers arriving a few seconds apart would each meet the
+            # helper alone, round after round. As leader, the helper waits for two trainers.
+            min_group_size=avg.min_group_size + 1,
             min_matchmaking_time=avg.min_matchmaking_time,
             matchmaking_timeout=avg.matchmaking_timeout,
             allreduce_timeout=avg.allreduce_timeout,
             request_timeout=avg.request_timeout,
+            adaptive_deadlines=avg.adaptive_deadlines,
+            deadline_factor=avg.deadline_factor,
+            min_allreduce_timeout=avg.min_allreduce_timeout,
+            bandwidth=cfg.net.bandwidth,
             mode="aux",
             # It reduces like every other reducer of the run: screened, robust (an honest peer would
             # otherwise see its averages as implausible and ban it).
@@ -59,8 +67,15 @@ class AuxReducer:
             codec=avg.wire_codec(),  # the run's codec: it decodes, reduces and re-encodes like every reducer
         )
         self.group = GroupAverager(node, self.template, options, state_provider=None)
+        # Streaming DiLoCo: each round averages one fragment, split exactly as the peers split it.
+        self.fragments = (
+            split_fragments([s.numel() for s in shapes], cfg.outer.fragments)
+            if cfg.outer.overlap == "streaming"
+            else None
+        )
         self.rounds_reduced = 0
         self.last_step = -1
+        self.bytes_sent = self.bytes_received = 0  # tensor payload bytes of every round it reduced in
 
     def start(self) -> None:
         """Fork the averager (from the main thread: hivemind requires it)."""
@@ -78,10 +93,18 @@ class AuxReducer:
                 if step is None:
                     await asyncio.wait_for(stopping.wait(), IDLE_SECONDS)
                     continue
-                outcome = await self.group.average(step, self._ticket(step), self.template)
+                subset = self._fragment(step)
+                tensors = self.template if subset is None else [self.template[i] for i in subset]
+                outcome = await self.group.average(step, self._ticket(step), tensors, subset=subset)
+                self.bytes_sent += outcome.bytes_sent
+                self.bytes_received += outcome.bytes_received
                 if outcome.found_group and outcome.error is None:
                     self.rounds_reduced += 1
-                    self.last_step = step
+                    # A round with one trainer does not count for it (rounds.py: it retries the same
+                    # step), so we stay at that step too; moving on would leave private peers with no
+                    # reducer at the step they retry, for ever.
+                    if outcome.contributors > 1:
+                        self.last_step = step
                     log.info("reduced round %d for a group of %d", step, outcome.group_size)
             except TimeoutError:
                 continue
@@ -98,6 +121,9 @@ class AuxReducer:
             return None
         common = steps.most_common(1)[0][0]
         return max(common, self.last_step + 1) if self.last_step >= 0 else common
+
+    def _fragment(self, step: int) -> list[int] | None:
+        return None if self.fragments is None else self.fragments[fragment_of(step, len(self.fragments))]
 
     def _ticket(self, step: int) -> bytes:
         return encode_ticket(

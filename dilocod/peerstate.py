@@ -33,6 +33,7 @@ class PeerState:
     run_id: str = ""
     role: str = "peer"
     reachability: str = "unknown"
+    relayed: bool = False  # our pseudo-gradients travel through a relay or public reducer, not directly
     maddrs: list[str] = field(default_factory=list)
     outer_step: int = 0
     inner_step: int = 0
@@ -95,6 +96,7 @@ class PeerState:
             "run_id": self.run_id,
             "role": self.role,
             "reachability": self.reachability,
+            "relayed": self.relayed,
             "maddrs": list(self.maddrs),
             "phase": self.phase,
             "outer_step": self.outer_step,
@@ -150,4 +152,5 @@ class PeerState:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "compute_utilization": self.compute_utilization(),
+            "relayed": self.relayed,
         }

@@ -80,6 +80,16 @@ class RoundKeeper:
         self._carry: list[torch.Tensor] | None = None
 
     # ---- one round -----------------------------------------------------------------------------------
+    @property
+    def sync_every(self) -> int:
+        """Inner steps between two calls of `sync`: H (a fraction of it with streaming)."""
+        return self.cfg.trainer.inner_steps
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """Whether the daemon writes a checkpoint after this `sync`."""
+        return True
+
     async def sync(self, stats: StepStats) -> None:
         """End of H inner steps: average this round's pseudo-gradient with a group, apply the outer step."""
         self.state.loss = stats.mean_loss if stats.steps else self.state.loss
@@ -99,7 +109,10 @@ class RoundKeeper:
         if self.feedback is not None:  # Δ + e: what the codec dropped before is sent again
             delta = await self._in_trainer(functools.partial(self.feedback.compensate, raw))
         sent = self.adversary.corrupt_delta(delta) if self.adversary.active else delta
-        ticket = encode_ticket(
+        return delta, asyncio.create_task(self.group.average(self.outer.step, self._ticket(), sent))
+
+    def _ticket(self) -> bytes:
+        return encode_ticket(
             {
                 "outer_step": self.outer.step,
                 "global_sha256": self.outer.sha256,
@@ -108,7 +121,6 @@ class RoundKeeper:
                 "bans": self.bans.peer_ids()[-32:],
             }
         )
-        return delta, asyncio.create_task(self.group.average(self.outer.step, ticket, sent))
 
     async def _settle(self, outcome: RoundOutcome, delta: list[torch.Tensor]) -> str:
         """Act on a round's outcome: "applied" (a new θ_global), "adopted" (re-synced from a peer: our
@@ -132,8 +144,9 @@ class RoundKeeper:
             return await self._catch_up_or_retry(force=True)
         if outcome.found_group:
             log.warning(
-                "round %d failed (%s); checking whether the run moved on", self.outer.step, outcome.error
-            )
+                "round %d failed (%s); checking whether the run moved on",
+                self.outer.step, outcome.error or "incomplete: a member or reducer vanished mid-round",
+            )  # fmt: skip
             self._count_failure("failed", outcome.group_size, outcome.seconds)
             return await self._catch_up_or_retry()
         return await self._no_group(delta, outcome.seconds)
@@ -213,19 +226,33 @@ class RoundKeeper:
             )
 
     async def check_agreement(self) -> None:
-        """After a round, peers publish their θ hash: if most peers at our step hold another, re-sync."""
+        """After a round, peers publish their step and θ hash: re-sync if the run went on without us, or if
+        most peers at our step hold another θ_global."""
         if self._inflight is not None:  # delayed overlap: a round is under way; its tickets check θ
             return
         others = await self._other_peers()
+        # Groups that form apart (a group of 2 here, another there) fork the run, and being keyed by step
+        # they would never meet again: the side behind gives way. (Forks at the same step meet in the next
+        # round's matchmaking, where the tickets give the minority weight 0 and send it to re-sync.)
+        ahead = [r for r in others if r["outer_step"] > self.outer.step]
+        if ahead:
+            log.warning(
+                "%d peers are ahead (outer step %d > %d): re-syncing",
+                len(ahead), max(r["outer_step"] for r in ahead), self.outer.step,
+            )  # fmt: skip
+            await self.catch_up()
+            return
         same_step = [r["global_sha256"] for r in others if r["outer_step"] == self.outer.step]
         counts = Counter([*same_step, self.outer.sha256])
         top, votes = counts.most_common(1)[0]
         if top != self.outer.sha256 and votes > counts[self.outer.sha256]:
-            log.warning("%d peers at outer step %d hold another θ_global: re-syncing", votes, self.outer.step)
+            log.warning(
+                "%d peers at outer step %d hold another θ_global: re-syncing", counts[top], self.outer.step
+            )
             await self.catch_up(force=True)
 
     async def _no_group(self, delta: list[torch.Tensor], seconds: float) -> str:
-        if self.cfg.net.reachability == "private" and await self.daemon.public_reducers() == 0:
+        if self.state.reachability == "private" and await self.daemon.public_reducers() == 0:
             log.warning(
                 "no public reducer in run '%s': a peer behind NAT can only average through a public peer or "
                 "a reducing bootstrap/helper (run `dilocod bootstrap` without --no-reduce)",
@@ -447,6 +474,15 @@ class RoundKeeper:
 
     async def _in_trainer(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.daemon.train_pool, fn)
+
+
+def make_round_keeper(cfg: Config, *args: Any, **kwargs: Any) -> RoundKeeper:
+    """The keeper for `outer.overlap`: streaming has its own (a subclass, in dilocod/streaming.py)."""
+    if cfg.outer.overlap == "streaming":
+        from dilocod.streaming import StreamingKeeper  # it imports this module
+
+        return StreamingKeeper(cfg, *args, **kwargs)
+    return RoundKeeper(cfg, *args, **kwargs)
 
 
 def _majority_hashes(records: list[dict[str, Any]]) -> dict[int, str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 REPEAT_IS_ECHO_SECONDS = 2.0
+STOP_GRACE_SECONDS = 15.0  # how long a running all-reduce may finish after a stop signal
 
 
 def run_main(main: Coroutine[Any, Any, int]) -> int:
@@ -62,7 +63,13 @@ def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
     console.setFormatter(fmt)
     console.setLevel(logging.DEBUG if verbose else logging.INFO)
     # hivemind logs every failed matchmaking as an error with a traceback: useful in the file, noise on a console.
-    console.addFilter(lambda record: record.name.startswith("dilocod"))
+    # The networking layer's warnings (e.g. records refused for a wrong run.key) are the user's to see too.
+    console.addFilter(
+        lambda record: (
+            record.name.startswith("dilocod")
+            or (record.name.startswith("peers") and record.levelno >= logging.WARNING)
+        )
+    )
     root.addHandler(console)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads the `typing` form of rpc_* hints)
 
 import numpy as np
 import torch
@@ -27,33 +28,63 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging import averager as averager_module
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import ValueWithExpiration
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
 from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
+from peers.auth import RunAuth
 from peers.wirecodec import PartCodec
 from proto import ProtoError, decode_ticket
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
 
 
-def round_group_bits(round_index: int, codec_name: str | None = None) -> str:
+def chunk_timeout(allreduce_timeout: float, request_timeout: float) -> float:
+    """How long an all-reduce waits for a peer's next chunk before giving up on that peer."""
+    return max(request_timeout, allreduce_timeout / 4)
+
+
+def share_by_bandwidth(total_size: int, bandwidths: Sequence[float | None]) -> tuple[int, ...]:
+    """How many values each member reduces: in proportion to its stated download bandwidth.
+
+    Every sender sends each reducer that reducer's share and gets its average back, so a reducer's
+    traffic grows with its share and ∝ bandwidth gives every reducer the same time. (hivemind's linear
+    program instead counts each reducer as also sending a whole vector of its own, which an auxiliary
+    reducer does not, and so gives a slower reducer nothing at all.) 0 = reduces nothing; None = the
+    mean of the stated ones, or equal shares when nobody states one.
+    """
+    stated = [b for b in bandwidths if b is not None and b > 0]
+    default = sum(stated) / len(stated) if stated else 1.0
+    scores = [default if b is None else max(0.0, b) for b in bandwidths]
+    if not any(scores):
+        raise AllreduceException("no member of the group can reduce")
+    return tuple(int(n) for n in hagenbach_bishoff(total_size, scores))
+
+
+def round_group_bits(
+    round_index: int, codec_name: str | None = None, subset: Sequence[int] | None = None
+) -> str:
     """Group-key bits that put only peers at the same outer step into the same matchmaking bucket.
 
     With a codec, 16 more bits from a hash of its name: peers whose parts would not decode for each
-    other look for groups under different keys. Uncompressed rounds keep the plain 32 bits.
+    other look for groups under different keys. With a subset of the tensors (one fragment), the hash
+    covers its indices too: only peers averaging the very same tensors meet. A full, uncompressed round
+    keeps the plain 32 bits.
     """
     bits = format(round_index % 2**32, "032b")
-    if codec_name is None:
+    if codec_name is None and subset is None:
         return bits
-    tag = int.from_bytes(hashlib.sha256(f"dilocod.codec.{codec_name}".encode()).digest()[:2], "big")
+    name = f"dilocod.codec.{codec_name}"
+    if subset is not None:
+        name += ".tensors." + ",".join(str(i) for i in subset)
+    tag = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
     return bits + format(tag, "016b")
 
 
@@ -61,6 +92,7 @@ class BanAwareMatchmaking(Matchmaking):
     """Matchmaking that neither accepts followers nor follows leaders this peer has banned."""
 
     banned: frozenset[PeerID] = frozenset()
+    auth: RunAuth | None = None  # the run key: set in the averager process (RunAverager.run)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,10 +104,21 @@ class BanAwareMatchmaking(Matchmaking):
     def _check_reasons_to_reject(self, request: Any, context: Any) -> Any:
         if context.remote_id in self.banned:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        if self.auth is not None and not self.auth.admits_member(
+            context.remote_id.to_bytes(), gathered_proof(MSGPackSerializer, request.gather)
+        ):
+            _warn_once(f"refused peer {context.remote_id} into a group: it holds no valid run key")
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         return super()._check_reasons_to_reject(request, context)
 
     async def _request_join_group(self, leader: PeerID) -> Any:
         if leader in self.banned:
+            return None
+        if (
+            self.auth is not None
+            and self.auth.allowed is not None
+            and leader.to_bytes() not in self.auth.allowed
+        ):
             return None
         return await super()._request_join_group(leader)
 
@@ -89,23 +132,44 @@ class RunAverager(DecentralizedAverager):
         check_part: PartCheck | None = None,
         codec: PartCodec | None = None,
         corrupt_reductions: bool = False,
+        auth: RunAuth | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
+        self._auth = auth
+        self._key_holders: set[PeerID] = set()  # peers that proved the run key (rpc_present_run_key)
         self._state_provider = state_provider
         self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
         self._codec = codec
+        self._subset: list[int] | None = None  # which tensors the next round averages (None: all)
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         # Runs in the averager process: hivemind builds its Matchmaking by this module-level name.
         averager_module.Matchmaking = BanAwareMatchmaking  # type: ignore[misc]
+        BanAwareMatchmaking.auth = self._auth
         super().run()
+
+    def step(self, gather: Any = None, **kwargs: Any) -> Any:
+        """Every member's gathered data is [ticket, run-key proof]; see `gathered_proof`."""
+        proof = self._auth.member_proof(self.peer_id.to_bytes()) if self._auth is not None else b""
+        return super().step(gather=[gather, proof], **kwargs)
 
     def set_banned(self, peer_ids: Sequence[str]) -> None:
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_set_banned", [], dict(peer_ids=list(peer_ids), future=future)))
         future.result(timeout=10)
+
+    def set_subset(self, subset: Sequence[int] | None) -> None:
+        """Average only these tensors (by index) from the next round on; None: all (blocking, quick)."""
+        future: MPFuture = MPFuture()
+        chosen = None if subset is None else [int(i) for i in subset]
+        self._outer_pipe.send(("_set_subset", [], dict(subset=chosen, future=future)))
+        future.result(timeout=10)
+
+    async def _set_subset(self, subset: list[int] | None, future: MPFuture) -> None:
+        self._subset = subset
+        future.set_result(None)
 
     async def _set_banned(self, peer_ids: list[str], future: MPFuture) -> None:
         banned = set()
@@ -115,6 +179,24 @@ class RunAverager(DecentralizedAverager):
             except Exception:
                 continue
         self._matchmaking.banned = frozenset(banned)
+        future.set_result(None)
+
+    def set_deadlines(self, allreduce_timeout: float, request_timeout: float) -> None:
+        """Change the all-reduce deadline and the per-chunk timeouts that follow from it (blocking, quick)."""
+        future: MPFuture = MPFuture()
+        kwargs = dict(allreduce_timeout=allreduce_timeout, request_timeout=request_timeout, future=future)
+        self._outer_pipe.send(("_set_deadlines", [], kwargs))
+        future.result(timeout=10)
+
+    async def _set_deadlines(
+        self, allreduce_timeout: float, request_timeout: float, future: MPFuture
+    ) -> None:
+        # The same relation as at start (see GroupAverager.start): a silent sender is given up on after a
+        # quarter of the all-reduce deadline, a silent reducer after half of it.
+        sender_timeout = chunk_timeout(allreduce_timeout, request_timeout)
+        self._allreduce_timeout = allreduce_timeout
+        self.next_chunk_timeout = sender_timeout
+        self.allreduce_kwargs.update(sender_timeout=sender_timeout, reducer_timeout=2 * sender_timeout)
         future.set_result(None)
 
     # ---- host side ----------------------------------------------------------------------------------
@@ -135,7 +217,9 @@ class RunAverager(DecentralizedAverager):
 
     # ---- averager process ----------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        started = time.monotonic()
         try:
+            self._check_members(group_info)
             bandwidths, modes, tickets = _decode_gathered(self.serializer, group_info.gathered)
             weights = agree_weights(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
             if not any(weights):
@@ -146,13 +230,18 @@ class RunAverager(DecentralizedAverager):
                 bw if mode == AveragingMode.AUX or (mode != AveragingMode.CLIENT and weight > 0) else 0.0
                 for bw, mode, weight in zip(bandwidths, modes, weights)
             ]
-            fractions = await asyncio.get_running_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download, min_vector_size
-            )
+            subset = self._subset  # a fragment: only these tensors go on the wire
+            total_size = self.total_size
+            if subset is not None:
+                total_size = sum(self._averaged_tensors[i].numel() for i in subset)
+                if kwargs.get("tensor_infos") is not None:
+                    kwargs["tensor_infos"] = [kwargs["tensor_infos"][i] for i in subset]
+            fractions = share_by_bandwidth(total_size, download)
             kwargs.pop("weight", None)  # the sender's own claim is never used
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                chosen = local_tensors if subset is None else [local_tensors[i] for i in subset]
                 runner = await self._run_exact_allreduce(
-                    local_tensors, group_info, modes, weights, peer_fractions=fractions, **kwargs
+                    chosen, group_info, modes, weights, peer_fractions=fractions, **kwargs
                 )
             my_index = group_info.peer_ids.index(self.peer_id)
             return dict(
@@ -165,11 +254,20 @@ class RunAverager(DecentralizedAverager):
                 rejected_reducers=sorted(peer.to_base58() for peer in runner.rejected_reducers),
                 bytes_sent=runner.bytes_sent,
                 bytes_received=runner.bytes_received,
+                allreduce_seconds=time.monotonic() - started,
             )
         except AllreduceException:
             raise
         except BaseException as e:
             raise AllreduceException(f"all-reduce failed: {e!r}") from e
+
+    def _check_members(self, group_info: GroupInfo) -> None:
+        """Refuse a group with a member that holds no run key (only a dishonest leader assembles one)."""
+        if self._auth is None:
+            return
+        for peer, blob in zip(group_info.peer_ids, group_info.gathered):
+            if not self._auth.admits_member(peer.to_bytes(), gathered_proof(self.serializer, blob)):
+                raise AllreduceException(f"refused the group: member {peer} holds no valid run key")
 
     async def _run_exact_allreduce(
         self,
@@ -204,6 +302,35 @@ class RunAverager(DecentralizedAverager):
             async for tensor, averaged in azip(as_aiter(*tensors), as_aiter(*results)):
                 tensor.copy_(averaged)
         return runner
+
+    # ---- state downloads are for the run's peers only ------------------------------------------------
+    async def rpc_present_run_key(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> averaging_pb2.MessageFromLeader:
+        """A peer about to download our state proves its run key first (a download request carries nothing)."""
+        if self._auth is not None and self._auth.admits_member(context.remote_id.to_bytes(), request.gather):
+            if len(self._key_holders) > 4096:
+                self._key_holders.clear()
+            self._key_holders.add(context.remote_id)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        auth = self._auth
+        if auth is not None:
+            peer = context.remote_id
+            admitted = (
+                peer in self._key_holders
+                if auth.secret is not None
+                else auth.admits_member(peer.to_bytes(), None)
+            )
+            if not admitted:
+                _warn_once(f"refused a state download to peer {peer}: it holds no valid run key")
+                return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     async def _download_state(
         self, future: MPFuture, exclude: list[str], min_step: int, max_elements: int, timeout: float
@@ -244,6 +371,11 @@ class RunAverager(DecentralizedAverager):
 
     async def _download_from(self, donor: PeerID, max_elements: int) -> tuple[bytes, list[torch.Tensor]]:
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        if self._auth is not None and self._auth.secret is not None:
+            proof = self._auth.member_proof(self.peer_id.to_bytes())
+            await stub.rpc_present_run_key(
+                averaging_pb2.JoinRequest(gather=proof), timeout=self.request_timeout
+            )
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         meta: bytes | None = None
         parts: list[Any] = []
@@ -275,6 +407,43 @@ async def _keep_group_key(_group_info: GroupInfo) -> None:
     return None
 
 
+def _log() -> Any:
+    from hivemind.utils import get_logger
+
+    return get_logger(__name__)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A refusal is worth one line per peer and reason: a stranger may keep asking."""
+    if message in _warned:
+        return
+    if len(_warned) > 4096:
+        _warned.clear()
+    _warned.add(message)
+    _log().warning(message)
+
+
+def _unwrap_user(serializer: Any, user_bytes: Any) -> tuple[Any, Any]:
+    """A member's own gathered data, [ticket bytes, run-key proof] (see `RunAverager.step`)."""
+    user = serializer.loads(user_bytes)
+    if not isinstance(user, list | tuple) or len(user) != 2:
+        return None, None
+    return user[0], user[1]
+
+
+def gathered_proof(serializer: Any, blob: Any) -> bytes | None:
+    """The run-key proof in one member's gathered data, or None when it has none (never raises)."""
+    try:
+        _bandwidth, _mode, user_bytes = serializer.loads(blob)
+        proof = _unwrap_user(serializer, user_bytes)[1]
+    except Exception:
+        return None
+    return proof if isinstance(proof, bytes) else None
+
+
 def _decode_gathered(
     serializer: Any, gathered: Sequence[bytes]
 ) -> tuple[list[float | None], list[AveragingMode], list[dict[str, Any] | None]]:
@@ -289,7 +458,7 @@ def _decode_gathered(
             mode = AveragingMode(raw_mode)
             if isinstance(raw_bandwidth, int | float) and np.isfinite(raw_bandwidth) and raw_bandwidth >= 0:
                 bandwidth = float(raw_bandwidth)
-            ticket = decode_ticket(serializer.loads(user_bytes))
+            ticket = decode_ticket(_unwrap_user(serializer, user_bytes)[0])
         except (ProtoError, Exception):
             pass
         bandwidths.append(bandwidth)

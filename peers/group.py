@@ -11,7 +11,8 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
 from peers.allreduce import PartCheck, PartReduce
-from peers.averager import RunAverager, StateProvider, round_group_bits
+from peers.averager import RunAverager, StateProvider, chunk_timeout, round_group_bits
+from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.errors import PeersError
 from peers.node import Node, stop_child
 from peers.wirecodec import PartCodec
@@ -25,6 +26,10 @@ class AveragingOptions:
     matchmaking_timeout: float = 15.0
     allreduce_timeout: float = 60.0
     request_timeout: float = 3.0
+    # Deadlines follow recent rounds (see `peers/deadlines.py`): the two timeouts above are the ceilings.
+    adaptive_deadlines: bool = True
+    deadline_factor: float = 3.0
+    min_allreduce_timeout: float = 5.0
     mode: str = "node"  # "node": sends and reduces | "client": sends only (behind NAT) | "aux": reduces only
     bandwidth: float | None = None  # relative download bandwidth, used to size each reducer's share
     # How a reducer combines the n copies of a part (default: the mean) and how a member checks an average
@@ -81,6 +86,20 @@ class GroupAverager:
         self._state_provider = state_provider
         self._averager: RunAverager | None = None
         self._control: StepControl | None = None
+        self._subset: list[int] | None = None  # the tensors the averager process averages (None: all)
+        self.deadlines = AdaptiveDeadlines(
+            DeadlineBounds(
+                matchmaking_ceiling=options.matchmaking_timeout,
+                matchmaking_floor=min(
+                    options.matchmaking_timeout, options.min_matchmaking_time + 2 * options.request_timeout
+                ),
+                allreduce_ceiling=options.allreduce_timeout,
+                allreduce_floor=min(options.allreduce_timeout, options.min_allreduce_timeout),
+                factor=options.deadline_factor,
+                adaptive=options.adaptive_deadlines,
+            )
+        )
+        self._allreduce_deadline = options.allreduce_timeout  # what the averager process uses now
 
     def start(self) -> None:
         """Fork the averager process (blocking; call from an executor)."""
@@ -97,7 +116,7 @@ class GroupAverager:
             min_matchmaking_time=opts.min_matchmaking_time,
             request_timeout=opts.request_timeout,
             allreduce_timeout=opts.allreduce_timeout,
-            next_chunk_timeout=max(opts.request_timeout, opts.allreduce_timeout / 4),
+            next_chunk_timeout=chunk_timeout(opts.allreduce_timeout, opts.request_timeout),
             client_mode=opts.mode == "client",
             auxiliary=opts.mode == "aux",
             allow_state_sharing=opts.mode == "node" and self._state_provider is not None,
@@ -107,6 +126,7 @@ class GroupAverager:
             check_part=opts.check_part,
             codec=opts.codec,
             corrupt_reductions=opts.corrupt_reductions,
+            auth=self.node.auth,  # members prove the run key; the leader and members check (peers/auth.py)
             declare_state_period=10,
             shutdown_timeout=3,
         )
@@ -135,24 +155,42 @@ class GroupAverager:
         if self.averager.allow_state_sharing:  # clients and auxiliary reducers serve no state
             self.averager.state_sharing_priority = float(outer_step)
 
-    async def average(self, round_index: int, ticket: bytes, tensors: Sequence[torch.Tensor]) -> RoundOutcome:
-        """Average `tensors` with the peers at the same round; never waits past the configured deadlines."""
+    async def average(
+        self,
+        round_index: int,
+        ticket: bytes,
+        tensors: Sequence[torch.Tensor],
+        subset: Sequence[int] | None = None,
+    ) -> RoundOutcome:
+        """Average `tensors` with the peers at the same round; never waits past the configured deadlines.
+
+        With `subset` (indices into the template), `tensors` are those tensors only: only they cross the
+        wire, the outcome's `averaged` holds them alone, and only peers averaging the same subset meet.
+        """
         loop = asyncio.get_running_loop()
         started = loop.time()
         averager = self.averager
+        chosen = None if subset is None else list(subset)
         with averager.get_tensors() as shared:
-            for buffer, tensor in zip(shared, tensors, strict=True):
+            targets = shared if chosen is None else [shared[i] for i in chosen]
+            for buffer, tensor in zip(targets, tensors, strict=True):
                 buffer.copy_(tensor)
+        if chosen != self._subset:
+            await loop.run_in_executor(None, averager.set_subset, chosen)
+            self._subset = chosen
         codec_name = None if self.options.codec is None else self.options.codec.name
-        await loop.run_in_executor(None, averager.set_group_bits, round_group_bits(round_index, codec_name))
+        bits = round_group_bits(round_index, codec_name, chosen)
+        await loop.run_in_executor(None, averager.set_group_bits, bits)
+        matchmaking, allreduce = self.deadlines.matchmaking, self.deadlines.allreduce
+        if allreduce != self._allreduce_deadline:
+            await loop.run_in_executor(None, averager.set_deadlines, allreduce, self.options.request_timeout)
+            self._allreduce_deadline = allreduce
         control = await loop.run_in_executor(
             None,
-            lambda: averager.step(
-                gather=ticket, timeout=self.options.matchmaking_timeout, allow_retries=True, wait=False
-            ),
+            lambda: averager.step(gather=ticket, timeout=matchmaking, allow_retries=True, wait=False),
         )
         self._control = control
-        budget = self.options.matchmaking_timeout + self.options.allreduce_timeout + 5.0
+        budget = matchmaking + allreduce + 5.0
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
         except TimeoutError:
@@ -165,7 +203,11 @@ class GroupAverager:
             return _failed(
                 loop.time() - started, message, found_group="could not find a group" not in message
             )
-        return self._outcome(result, loop.time() - started)
+        outcome = self._outcome(result, loop.time() - started)
+        if outcome.averaged is not None:
+            allreduce_seconds = float(result.get("allreduce_seconds", 0.0))
+            self.deadlines.observe(outcome.seconds - allreduce_seconds, allreduce_seconds)
+        return outcome
 
     def _outcome(self, result: dict, seconds: float) -> RoundOutcome:
         in_majority = float(result["my_weight"]) > 0
@@ -173,7 +215,8 @@ class GroupAverager:
         averaged = None
         if in_majority and complete:
             with self.averager.get_tensors() as shared:
-                averaged = [buffer.clone() for buffer in shared]
+                chosen = shared if self._subset is None else [shared[i] for i in self._subset]
+                averaged = [buffer.clone() for buffer in chosen]
         return RoundOutcome(
             found_group=True,
             group_size=len(result["peers"]),

@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers import reachability
+from peers.auth import Identity, RunAuth, RunRecordValidator
 from peers.errors import PeersError
+
+log = logging.getLogger("peers.node")
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,9 @@ class NodeOptions:
     relay_service: bool = True  # serve as a circuit relay for peers behind NAT
     auto_relay: bool = False  # look for relays when we are not reachable ourselves
     reachability: str | None = None  # None = let AutoNAT decide; "public" | "private" forces it
+    trusted_relays: tuple[str, ...] = ()  # relays to reserve a slot on (with auto_relay), peers/relay.py
     startup_timeout: float = 60.0
+    auth: RunAuth | None = None  # the run key (peers/auth.py); None = an open run. Its repr hides secrets.
 
 
 def parse_multiaddr(text: str, *, need_peer_id: bool = True) -> Multiaddr:
@@ -73,11 +82,14 @@ class Node:
             parse_multiaddr(text, need_peer_id=False)
         self.options = options
         self.dht: hivemind.DHT | None = None
+        self._identity_dir: str | None = None  # a throwaway identity's folder, when none was given
+        self._identity_path: str | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the DHT process and p2pd; blocking (call it from an executor)."""
         opts = self.options
+        identity = self._identity()
         kwargs: dict[str, Any] = dict(
             initial_peers=list(opts.initial_peers),
             host_maddrs=[_listen_maddr(opts.host, opts.port)],
@@ -86,9 +98,11 @@ class Node:
             use_auto_relay=opts.auto_relay,
             # UPnP multicast leaves the machine and never helps on loopback or in test beds.
             nat_port_map=False,
-            identity_path=opts.identity_path,
+            identity_path=self._identity_path,
             # A restarted peer must not wait to learn that its own old process is gone.
             check_if_identity_free=False,
+            # Every record is signed with our identity key (and the run key); others' are checked.
+            record_validators=[RunRecordValidator(identity, opts.auth)],
             start=True,
             await_ready=False,
         )
@@ -96,6 +110,8 @@ class Node:
             kwargs["announce_maddrs"] = list(opts.announce)
         if opts.reachability:
             kwargs["force_reachability"] = opts.reachability
+        if opts.trusted_relays:
+            kwargs["trusted_relays"] = list(opts.trusted_relays)
         dht = hivemind.DHT(**kwargs)
         self.dht = dht
         try:
@@ -109,12 +125,40 @@ class Node:
                     f"none of the initial peers answered ({peers}); is the bootstrap running and reachable?"
                 )
             raise PeersError(f"could not start the DHT node: {reason}") from None
+        auth = opts.auth.describe() if opts.auth is not None else "open (no run.key)"
+        log.info("run authorization: %s; our DHT records are signed with our identity key", auth)
 
     def stop(self) -> None:
         """Shut the DHT and its p2pd down, and make sure neither outlives us."""
         dht, self.dht = self.dht, None
         if dht is not None:
             stop_child(dht, timeout=10)
+        if self._identity_dir is not None:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
+            self._identity_dir = None
+
+    def _identity(self) -> Identity:
+        """Load (or make) the identity key p2pd will run with: our DHT records are signed with it."""
+        path = self.options.identity_path
+        if path is None:  # hivemind would let p2pd make a key we could not read; make one ourselves
+            self._identity_dir = tempfile.mkdtemp(prefix="dilocod-identity-")
+            path = os.path.join(self._identity_dir, "identity.key")
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            P2P.generate_identity(path)
+        self._identity_path = path
+        identity = Identity.load(path)
+        auth = self.options.auth
+        if auth is not None and auth.allowed is not None and identity.peer_id not in auth.allowed:
+            peer = PeerID(identity.peer_id).to_base58()
+            raise PeersError(
+                f"this peer ({peer}) is not in the run's allowed-peers file (run.key): add it there"
+            )
+        return identity
+
+    @property
+    def auth(self) -> RunAuth | None:
+        return self.options.auth
 
     # ---- identity ---------------------------------------------------------------------------------
     @property
@@ -127,8 +171,23 @@ class Node:
     def peer_id(self) -> str:
         return self.started.peer_id.to_base58()
 
-    def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.started.get_visible_maddrs()]
+    def visible_maddrs(self, latest: bool = False) -> list[str]:
+        return [str(m) for m in self.started.get_visible_maddrs(latest=latest)]
+
+    async def await_relay_reservation(self, timeout: float) -> list[str]:
+        """Our /p2p-circuit addresses once p2pd holds a relay reservation ([] if none came in time)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            maddrs = await loop.run_in_executor(None, lambda: self.visible_maddrs(latest=True))
+            circuits = [m for m in maddrs if "/p2p-circuit" in m]
+            if circuits or loop.time() >= deadline:
+                return circuits
+            await asyncio.sleep(0.5)
+
+    async def serve_dialback(self, relays: Sequence[str] = ()) -> None:
+        """Answer other peers' reachability checks (peers/reachability.py) on our p2pd."""
+        await reachability.serve_dialback(await self.started.replicate_p2p(), relays=relays)
 
     # ---- records ----------------------------------------------------------------------------------
     def run_key(self, name: str) -> str:

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 3, ROUND_TICKET at 2, STATE_META at 1).
+"""The concrete wire messages of dilocod (STATUS at version 4, ROUND_TICKET at 2, STATE_META at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +14,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=3,
+    version=4,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -43,6 +43,8 @@ STATUS = Schema(
         Field("bytes_received", "int", optional=True, min=0),
         # v3: share of wall time spent in inner steps, since the sender started training.
         Field("compute_utilization", "float", optional=True, min=0, max=1),
+        # v4: whether the sender's pseudo-gradients go through a relay or public reducer.
+        Field("relayed", "bool", optional=True),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -70,6 +72,8 @@ on data checked later (the round ticket, the state download's hash), never on th
 - bans (v2): peers the sender currently bans.
 - bytes_sent / bytes_received (v2): tensor payload bytes the sender sent / received since it started.
 - compute_utilization (v3): time in inner steps ÷ wall time since the sender started training (0–1).
+- relayed (v4): true when the sender's pseudo-gradients reach the others through a relay or a public
+  reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
 """
 
 ROUND_TICKET = Schema(

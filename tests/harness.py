@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from dilocod.demo import free_port
 
@@ -67,6 +67,21 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval:
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error!r})")
 
 
+# How a process is started: argv and its log file in, a Popen of its own session out.
+Spawn = Callable[[list[str], IO[bytes]], "subprocess.Popen[bytes]"]
+
+
+def spawn_local(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
 @dataclass
 class Proc:
     name: str
@@ -75,25 +90,22 @@ class Proc:
     http_port: int | None
     run_dir: Path | None = None
     popen: subprocess.Popen[bytes] | None = None
+    # Where it runs and how its HTTP API is read: here on loopback by default; tests/wanrun.py puts
+    # processes in network namespaces, whose loopback only a process inside can reach.
+    spawn: Spawn = spawn_local
+    fetch: Callable[[str], Any] = get_json
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "dilocod", *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+            self.popen = self.spawn([sys.executable, "-m", "dilocod", *self.args], log)
 
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
     def status(self) -> dict[str, Any]:
-        return dict(get_json(f"http://127.0.0.1:{self.http_port}/api/status"))
+        return dict(self.fetch(f"http://127.0.0.1:{self.http_port}/api/status"))
 
     def signal(self, signum: int) -> None:
         assert self.popen is not None
@@ -123,19 +135,32 @@ class Swarm:
     bootstrap: Proc | None = None
     maddr: str = ""
     peers: list[Proc] = field(default_factory=list)
+    poll_interval: float = 0.5  # between status polls in the wait_* helpers
 
-    def start_bootstrap(self, run_id: str = "dilocod", *extra_args: str) -> str:
+    # Placement hooks: loopback here; tests/wanrun.py's NetSwarm overrides them for namespaces.
+    def _listen_host(self, where: str | None) -> str:
+        """The address a process placed at `where` listens on for p2p."""
+        return "127.0.0.1"
+
+    def _proc(
+        self, name: str, args: list[str], log: Path, http_port: int, run_dir: Path | None, where: str | None
+    ) -> Proc:
+        return Proc(name, args, log, http_port, run_dir)
+
+    def start_bootstrap(self, run_id: str = "dilocod", *extra_args: str, where: str | None = None) -> str:
         maddr_file = self.root / "bootstrap.maddr"
         port = free_port()
         # The bootstrap reduces for the run, so it gets the peers' config and overrides too.
         sets = [item for o in self.overrides for item in ("--set", o)]
-        self.bootstrap = Proc(
+        self.bootstrap = self._proc(
             "bootstrap",
-            ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
+            ["bootstrap", "--host", self._listen_host(where), "--port", "0", "--http-host", "127.0.0.1",
              "--http-port", str(port), "--run-id", run_id, "--maddr-file", str(maddr_file),
              "--config", str(REPO / "configs" / "tiny.toml"), *sets, *extra_args],
             self.root / "bootstrap.log",
             port,
+            None,
+            where,
         )  # fmt: skip
         self.bootstrap.start()
 
@@ -146,7 +171,9 @@ class Swarm:
         self.maddr = text.split()[0]
         return self.maddr
 
-    def add_peer(self, *extra: str, start: bool = True, identity: Path | None = None) -> Proc:
+    def add_peer(
+        self, *extra: str, start: bool = True, identity: Path | None = None, where: str | None = None
+    ) -> Proc:
         """A `dilocod join` peer; `identity` (a key file) pins its peer ID, so its data shard too."""
         index = len(self.peers)
         run_dir = self.root / f"peer-{index}"
@@ -156,13 +183,14 @@ class Swarm:
         port = free_port()
         sets = [item for o in (*self.overrides, *extra) for item in ("--set", o)]
         initial = [self.maddr] if self.maddr else []
-        peer = Proc(
+        peer = self._proc(
             f"peer-{index}",
             ["join", *initial, "--config", str(REPO / "configs" / "tiny.toml"), "--run-dir", str(run_dir),
-             "--host", "127.0.0.1", "--http-port", str(port), *sets],
+             "--host", self._listen_host(where), "--http-port", str(port), *sets],
             run_dir / "console.log",
             port,
             run_dir,
+            where,
         )  # fmt: skip
         self.peers.append(peer)
         if start:
@@ -175,7 +203,7 @@ class Swarm:
             status = proc.status()
             return status if status.get("phase") != "starting" else None
 
-        return wait_for(f"{proc.name} to serve /api/status", probe, timeout)
+        return wait_for(f"{proc.name} to serve /api/status", probe, timeout, self.poll_interval)
 
     def wait_all_at(self, step: int, timeout: float, peers: list[Proc] | None = None) -> list[dict[str, Any]]:
         group = peers if peers is not None else self.peers
@@ -186,7 +214,7 @@ class Swarm:
             statuses = [proc.status() for proc in group]
             return statuses if all(s["outer_step"] >= step for s in statuses) else None
 
-        return wait_for(f"all peers at outer step {step}", probe, timeout)
+        return wait_for(f"all peers at outer step {step}", probe, timeout, self.poll_interval)
 
     def close(self) -> None:
         procs = [*self.peers, *([self.bootstrap] if self.bootstrap else [])]

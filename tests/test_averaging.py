@@ -134,3 +134,13 @@ def test_no_group_returns_quickly_when_alone(trio: list[GroupAverager]) -> None:
     outcome = run_round(trio[:1], 99, [encode_ticket(ticket(99, SHA_A))], [random_inputs(3)[0]])[0]
     assert not outcome.found_group and outcome.averaged is None
     assert outcome.seconds < 15.0 + 10.0
+
+
+def test_reducers_share_the_parts_in_proportion_to_their_bandwidth() -> None:
+    from peers.averager import share_by_bandwidth
+
+    assert share_by_bandwidth(4000, [100.0, 300.0, 0.0, 0.0]) == (1000, 3000, 0, 0)
+    assert share_by_bandwidth(900, [None, None, None]) == (300, 300, 300)  # nobody says: equal
+    shares = share_by_bandwidth(1000, [None, 100.0, 300.0, 0.0])  # None = the mean of the stated ones
+    assert shares[2] == 500 and shares[3] == 0 and abs(shares[0] - 2 * shares[1]) <= 2
+    assert sum(share_by_bandwidth(12_345, [1.0, 2.0, 3.0])) == 12_345

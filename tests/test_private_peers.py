@@ -8,12 +8,16 @@ they cannot average. (Real NATs are exercised with the network-namespace test be
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.harness import FAST, Swarm, wait_for
+from dilocod.demo import free_port
+from tests.harness import FAST, REPO, Proc, Swarm, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -53,4 +57,40 @@ def test_without_a_public_reducer_private_peers_are_told_why(tmp_path: Path) -> 
                 180,
             )
     finally:
+        s.close()
+
+
+def test_a_second_reducing_bootstrap_takes_parts_by_bandwidth(tmp_path: Path) -> None:
+    """Two public reducers for one run: parts are split between them by their stated bandwidths."""
+    s = Swarm(tmp_path, overrides=(*FAST, *PRIVATE))
+    second: Proc | None = None
+    try:
+        s.start_bootstrap("dilocod", "--set", "net.bandwidth=100")
+        assert s.bootstrap is not None
+        port = free_port()
+        sets = [item for o in (*FAST, *PRIVATE, "net.bandwidth=300") for item in ("--set", o)]
+        second = Proc(
+            "bootstrap-2",
+            ["bootstrap", s.maddr, "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
+             "--http-port", str(port), "--config", str(REPO / "configs" / "tiny.toml"), *sets],
+            tmp_path / "bootstrap-2.log",
+            port,
+        )  # fmt: skip
+        second.start()
+        wait_for("the second bootstrap", second.status, 60)
+        s.add_peer()
+        s.add_peer()
+        s.wait_all_at(4, timeout=240)
+        first_reducer, second_reducer = s.bootstrap.status()["reducer"], second.status()["reducer"]
+        assert first_reducer["rounds_reduced"] >= 3 and second_reducer["rounds_reduced"] >= 3
+        # Each reducer receives every client's copy of its parts: bytes received ∝ its share (1 : 3).
+        ratio = second_reducer["bytes_received"] / first_reducer["bytes_received"]
+        assert 2.5 < ratio < 3.5, (first_reducer, second_reducer)
+    finally:
+        if second is not None:
+            if second.alive:
+                second.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                second.wait(timeout=20)
+            second.reap()
         s.close()

@@ -69,6 +69,7 @@ status_records = st.fixed_dictionaries(
         "bytes_sent": st.none() | st.integers(0, INT64_MAX),
         "bytes_received": st.none() | st.integers(0, INT64_MAX),
         "compute_utilization": st.none() | st.floats(0, 1),
+        "relayed": st.none() | st.booleans(),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -137,6 +138,7 @@ def example(schema: Schema) -> dict[str, Any]:
             "bytes_sent": 0,
             "bytes_received": 0,
             "compute_utilization": 0.93,
+            "relayed": False,
         }
     if schema is ROUND_TICKET:
         return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
@@ -422,8 +424,9 @@ def test_defect_is_rejected_naming_the_field(schema: Schema, data: bytes, field:
 
 
 def test_newer_version_message() -> None:
-    with pytest.raises(ProtoError, match="unsupported version 4"):
-        decode(STATUS, raw_pack(STATUS, example(STATUS), version=4))
+    newer = STATUS.version + 1
+    with pytest.raises(ProtoError, match=f"unsupported version {newer}"):
+        decode(STATUS, raw_pack(STATUS, example(STATUS), version=newer))
 
 
 def test_duplicate_key_rejected() -> None:
@@ -507,7 +510,7 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 3, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 4, 4096)
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 2, 4096)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
@@ -523,9 +526,18 @@ def test_older_version_accepted_when_schema_grows() -> None:
 
 def test_status_v2_records_still_decode() -> None:
     """v3 added compute_utilization (optional): a v2 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k != "compute_utilization"}
+    record = {k: v for k, v in example(STATUS).items() if k not in ("compute_utilization", "relayed")}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=2))
     assert decoded["compute_utilization"] is None and decoded["peer_id"] == record["peer_id"]
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ProtoError, match="compute_utilization"):
             decode(STATUS, raw_pack(STATUS, {**record, "compute_utilization": bad}))
+
+
+def test_status_v3_records_still_decode() -> None:
+    """v4 added relayed (optional): a v3 sender's record reads back with it as None."""
+    record = {k: v for k, v in example(STATUS).items() if k != "relayed"}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=3))
+    assert decoded["relayed"] is None and decoded["compute_utilization"] == record["compute_utilization"]
+    with pytest.raises(ProtoError, match="relayed"):
+        decode(STATUS, raw_pack(STATUS, {**record, "relayed": 1}))

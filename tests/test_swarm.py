@@ -90,13 +90,22 @@ def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[.
     assert status["group_size"] == 1
     assert [e["result"] for e in status["rounds"]][-1] == "alone"
 
-    # A stranger writes garbage under the run's status key: readers drop and count it, nobody crashes.
+    # A stranger writes garbage under the run's status key. Unsigned records (a plain hivemind DHT) are
+    # refused by every node (peers/auth.py); a signed record of garbage is stored, and readers drop and
+    # count it. Nobody crashes.
+    import asyncio
+
     import hivemind
 
+    from peers.node import Node, NodeOptions
+
     dht = hivemind.DHT(initial_peers=[s.maddr], start=True, client_mode=True)
+    stranger = Node(NodeOptions(run_id="dilocod", initial_peers=(s.maddr,), host="127.0.0.1"))
     try:
         dht.store("dilocod.status", subkey="mallory", value=b"\x93garbage", expiration_time=time.time() + 60)
         dht.store("dilocod.status", subkey="eve", value={"not": "bytes"}, expiration_time=time.time() + 60)
+        stranger.start()
+        asyncio.run(stranger.publish("status", b"\x93garbage", ttl=60))
         assert s.bootstrap is not None
         port = s.bootstrap.http_port
 
@@ -110,7 +119,10 @@ def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[.
         assert [p["peer_id"] for p in run] == [status["peer_id"]]
         later = s.wait_all_at(status["outer_step"] + 1, timeout=60)[0]
         assert later["peer_id"] == status["peer_id"]
+        stored = asyncio.run(stranger.read_all("status"))
+        assert "mallory" not in stored and "eve" not in stored and stranger.peer_id in stored
     finally:
+        stranger.stop()
         dht.shutdown()
 
 

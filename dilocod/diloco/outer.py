@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-OVERLAP_MODES = ("none", "delayed")
+OVERLAP_MODES = ("none", "delayed", "streaming")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,13 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     # none: inner steps wait for each round; delayed: a round's all-reduce runs while the next round trains
-    # and its outer step lands one round late (see dilocod/rounds.py)
+    # and its outer step lands one round late (see dilocod/rounds.py); streaming: one fragment of the
+    # parameters syncs every H / fragments inner steps, overlapped with them (see dilocod/streaming.py)
     overlap: str = "none"
+    fragments: int = 4  # streaming: how many fragments the parameters are split into
+    # streaming: a synced fragment's working copy becomes mix_alpha·local + (1 − mix_alpha)·θ_global
+    # (0.5: the value Streaming DiLoCo uses, arXiv:2501.18512; 0: replace it by θ_global)
+    mix_alpha: float = 0.5
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -36,6 +41,10 @@ class OuterConfig:
             raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"outer.overlap must be one of {', '.join(OVERLAP_MODES)}, got '{self.overlap}'")
+        if self.fragments < 1:
+            raise ValueError(f"outer.fragments must be >= 1, got {self.fragments}")
+        if not 0 <= self.mix_alpha <= 1:
+            raise ValueError(f"outer.mix_alpha must be in [0, 1], got {self.mix_alpha}")
 
 
 def global_sha256(tensors: Sequence[torch.Tensor]) -> str:
@@ -73,20 +82,30 @@ class OuterOptimizer:
         self._check_shapes(local)
         return [g - t.detach().to(device="cpu", dtype=torch.float32) for g, t in zip(self.params, local)]
 
-    def _check_shapes(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _check_shapes(
+        self, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor] | None = None
+    ) -> None:
         """All-or-nothing: a mismatch found halfway through an update would leave θ half-updated."""
-        if len(tensors) != len(self.params):
-            raise ValueError(f"expected {len(self.params)} tensors, got {len(tensors)}")
-        for param, tensor in zip(self.params, tensors):
+        params = self.params if params is None else params
+        if len(tensors) != len(params):
+            raise ValueError(f"expected {len(params)} tensors, got {len(tensors)}")
+        for param, tensor in zip(params, tensors):
             if tensor.shape != param.shape:
                 raise ValueError(f"shape mismatch: {tuple(tensor.shape)} vs {tuple(param.shape)}")
 
     @torch.no_grad()
-    def apply(self, averaged_delta: Sequence[torch.Tensor]) -> None:
-        """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov."""
-        self._check_shapes(averaged_delta)
+    def apply(self, averaged_delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov.
+
+        With `indices` (a Streaming DiLoCo fragment), `averaged_delta` holds those tensors only, and only
+        their θ and momentum move; the step counter counts such fragment rounds too.
+        """
+        chosen = range(len(self.params)) if indices is None else indices
+        params = [self.params[i] for i in chosen]
+        momentum = [self.momentum[i] for i in chosen]
+        self._check_shapes(averaged_delta, params)
         mu, lr = self.cfg.momentum, self.cfg.lr
-        for param, buf, delta in zip(self.params, self.momentum, averaged_delta):
+        for param, buf, delta in zip(params, momentum, averaged_delta):
             delta = delta.to(torch.float32)
             buf.copy_(torch.add(torch.mul(buf, mu), delta))
             direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
