@@ -71,12 +71,13 @@ def run_variant(root: Path, peers: int, steps: int, overrides: tuple[str, ...]) 
 
 
 def summarize(statuses: list[dict[str, Any]], rounds: int) -> dict[str, float]:
-    evals = [
-        e["eval_loss"]
-        for st in statuses
-        for e in st["rounds"]
-        if e["outer_step"] == rounds and e["eval_loss"] is not None
-    ]
+    # Per peer, the eval of θ_global at the last outer step it evaluated up to `rounds` (a peer that got
+    # there by re-syncing has no eval at exactly that step).
+    evals = []
+    for st in statuses:
+        done = [e for e in st["rounds"] if e["outer_step"] <= rounds and e["eval_loss"] is not None]
+        if done:
+            evals.append(max(done, key=lambda e: e["outer_step"])["eval_loss"])
     tokens = sum(st["inner_step"] for st in statuses) * BATCH * SEQ
     return {
         "eval": statistics.fmean(evals) if evals else float("nan"),
@@ -101,7 +102,13 @@ def main() -> None:
     base: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            result = run_variant(Path(tmp) / name, args.peers, args.steps, VARIANTS[name])
+            try:
+                result = run_variant(Path(tmp) / name, args.peers, args.steps, VARIANTS[name])
+            except Exception as e:  # one variant that does not finish must not hide the others' figures
+                print(f"| {name} | did not finish: {str(e).splitlines()[0][:100]} | | | | |", flush=True)
+                if not base:
+                    raise
+                continue
             base = base or result
             print(
                 f"| {name} | {result['eval']:.4f} | {result['eval'] / base['eval']:.3f} "

@@ -181,22 +181,18 @@ class RunAverager(DecentralizedAverager):
         self._matchmaking.banned = frozenset(banned)
         future.set_result(None)
 
-    def set_deadlines(self, allreduce_timeout: float, request_timeout: float) -> None:
-        """Change the all-reduce deadline and the per-chunk timeouts that follow from it (blocking, quick)."""
+    def set_deadlines(self, allreduce_timeout: float) -> None:
+        """Change the all-reduce deadline (blocking, quick). The per-chunk timeouts stay as configured:
+        they bound how long members wait on each other within a round, which depends on their skew and
+        links, not on how long whole rounds took."""
         future: MPFuture = MPFuture()
-        kwargs = dict(allreduce_timeout=allreduce_timeout, request_timeout=request_timeout, future=future)
-        self._outer_pipe.send(("_set_deadlines", [], kwargs))
+        self._outer_pipe.send(
+            ("_set_deadlines", [], dict(allreduce_timeout=allreduce_timeout, future=future))
+        )
         future.result(timeout=10)
 
-    async def _set_deadlines(
-        self, allreduce_timeout: float, request_timeout: float, future: MPFuture
-    ) -> None:
-        # The same relation as at start (see GroupAverager.start): a silent sender is given up on after a
-        # quarter of the all-reduce deadline, a silent reducer after half of it.
-        sender_timeout = chunk_timeout(allreduce_timeout, request_timeout)
+    async def _set_deadlines(self, allreduce_timeout: float, future: MPFuture) -> None:
         self._allreduce_timeout = allreduce_timeout
-        self.next_chunk_timeout = sender_timeout
-        self.allreduce_kwargs.update(sender_timeout=sender_timeout, reducer_timeout=2 * sender_timeout)
         future.set_result(None)
 
     # ---- host side ----------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ class GroupAverager:
         await loop.run_in_executor(None, averager.set_group_bits, bits)
         matchmaking, allreduce = self.deadlines.matchmaking, self.deadlines.allreduce
         if allreduce != self._allreduce_deadline:
-            await loop.run_in_executor(None, averager.set_deadlines, allreduce, self.options.request_timeout)
+            await loop.run_in_executor(None, averager.set_deadlines, allreduce)
             self._allreduce_deadline = allreduce
         control = await loop.run_in_executor(
             None,

@@ -65,11 +65,10 @@ def test_sigkill_mid_round_five_times(swarm: Callable[..., Swarm]) -> None:
         time.sleep(rng.uniform(0.0, 0.1))  # a random moment of the exchange
         _kill_group(victim)
         killed_at = max(p.status()["outer_step"] for p in survivors)
+        victim.start()  # a restart takes seconds: the survivors' rounds go on meanwhile
 
         # The survivors carry on without it: at least one more outer step, all of them.
         s.wait_all_at(killed_at + 1, timeout=3 * round_limit, peers=survivors)
-
-        victim.start()
         s.wait_serving(victim, timeout=120)
         run_step = max(p.status()["outer_step"] for p in survivors)
         # Back in step within one round: at the step the run was at when it came back (or later).

@@ -1,8 +1,9 @@
 """A peer told to stop (SIGTERM) while its group exchanges tensors finishes serving its parts first.
 
 Every member reduces a share of the parts; one that vanished mid-exchange would leave the others with
-partial means (a failed round for all of them). The model here is the `small` preset (≈21M values per
-pseudo-gradient) so that the exchange lasts long enough on loopback to be interrupted reliably.
+partial means (a failed round for all of them). Two peers: the stayer's round needs the leaver's
+parts. The model is the `small` preset (≈21M values per pseudo-gradient), so that the exchange lasts
+long enough on loopback to be interrupted reliably.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ BIG = (
 
 
 def test_sigterm_during_allreduce_finishes_serving_parts(swarm: Callable[..., Swarm]) -> None:
-    s = swarm(3, *BIG)
-    s.wait_all_at(1, timeout=300)
-    leaver, stayers = s.peers[2], s.peers[:2]
+    s = swarm(2, *BIG)
+    leaver, stayers = s.peers[1], s.peers[:1]
+    s.wait_serving(leaver, timeout=240)
     wait_for(
         "the leaver to be in an all-reduce",
         lambda: bool(leaver.status().get("in_allreduce")),
-        timeout=180,
+        timeout=240,
         interval=0.02,
     )
     step = leaver.status()["outer_step"]
@@ -63,8 +64,11 @@ def test_sigterm_during_allreduce_finishes_serving_parts(swarm: Callable[..., Sw
         for status in statuses
         for e in status["rounds"]
     ), [st["rounds"][-4:] for st in statuses]
+    # (Earlier rounds may have been incomplete on a loaded machine; only the ones after the signal count.)
+    signalled = next(line[:8] for line in leaver_log.splitlines() if "received SIGTERM" in line)
     for peer in stayers:
-        assert "% results" not in _log(peer), _log(peer)[-2000:]
+        late = [line for line in _log(peer).splitlines() if line[:8] >= signalled and "% results" in line]
+        assert not late, late
 
 
 def _log(proc: Proc) -> str:
