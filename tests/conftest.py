@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest_netbed import netbed  # noqa: F401  (the network-namespace test bed)
+from tests.conftest_netbed import netbed, wan  # noqa: F401  (the network-namespace test bed)
 from tests.harness import FAST, Swarm
 
 

@@ -52,6 +52,16 @@ def get_text(url: str, timeout: float = 3.0) -> str:
         return str(response.read().decode())
 
 
+def round_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
+    """outer step → the θ_global hashes the peers report holding after it (averaged or re-synced rounds)."""
+    by_step: dict[int, set[str]] = {}
+    for status in statuses:
+        for entry in status["rounds"]:
+            if entry["result"] in ("ok", "resynced"):
+                by_step.setdefault(entry["outer_step"], set()).add(entry["global_sha256"])
+    return by_step
+
+
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
     """Poll `probe` until it returns something truthy; fail the test with `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -14,13 +14,11 @@ import os
 import random
 import signal
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from tests.harness import Proc, Swarm, wait_for
+from tests.harness import Proc, Swarm, round_hashes, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,15 +40,6 @@ def _await_allreduce(proc: Proc, timeout: float) -> None:
         return bool(proc.status().get("in_allreduce"))
 
     wait_for(f"{proc.name} to be in an all-reduce", probe, timeout, interval=0.02)
-
-
-def _hashes_by_step(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for status in statuses:
-        for entry in status["rounds"]:
-            if entry["result"] in ("ok", "resynced"):
-                by_step[entry["outer_step"]].add(entry["global_sha256"])
-    return by_step
 
 
 def test_sigkill_mid_round_five_times(swarm: Callable[..., Swarm]) -> None:
@@ -85,7 +74,7 @@ def test_sigkill_mid_round_five_times(swarm: Callable[..., Swarm]) -> None:
             for key in ("loss", "eval_loss"):
                 assert entry[key] is None or math.isfinite(entry[key]), (status["peer_id"], entry)
         assert status["loss"] is None or math.isfinite(status["loss"])
-    for step, found in _hashes_by_step(statuses).items():
+    for step, found in round_hashes(statuses).items():
         assert len(found) == 1, f"peers hold different θ_global after outer step {step}: {found}"
     # After all of it the four of them still meet: a round with the whole run in one group.
     target = max(st["outer_step"] for st in statuses) + 2

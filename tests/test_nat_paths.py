@@ -10,8 +10,7 @@ py-libp2p in the relay's site directory (`make relay`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,23 +18,9 @@ import pytest
 from peers.relay import relay_available
 from tests.harness import wait_for
 from tests.netbed import NetBed, _tool
-from tests.wanrun import NetSwarm, make_net_swarm, round_hashes
+from tests.wanrun import NetSwarm, round_hashes
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def wan(netbed: NetBed, tmp_path: Path) -> Iterator[Callable[..., NetSwarm]]:
-    made: list[NetSwarm] = []
-
-    def make(*extra: str) -> NetSwarm:
-        s = make_net_swarm(netbed, tmp_path / f"wan-{len(made)}", *extra)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def rounds_together(statuses: list[dict[str, Any]]) -> dict[int, str]:

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.harness import Swarm
-from tests.test_swarm import _ok_counts, _ok_hashes
+from tests.harness import Swarm, round_hashes
+from tests.test_swarm import _ok_counts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -25,7 +25,7 @@ def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., S
     # A peer that starts a little late spends a few rounds catching up: give the run time to meet in full.
     statuses = s.wait_all_at(8, timeout=300)
 
-    for step, found in _ok_hashes(statuses).items():
+    for step, found in round_hashes(statuses).items():
         assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
     counts = _ok_counts(statuses)
     assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"

@@ -11,8 +11,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from hivemind.p2p import P2P
@@ -32,7 +31,7 @@ from peers.reachability import (
 )
 from tests.harness import Swarm
 from tests.netbed import NetBed
-from tests.wanrun import NetSwarm, make_net_swarm
+from tests.wanrun import NetSwarm
 
 # ---- the service's guards ------------------------------------------------------------------------------
 
@@ -118,20 +117,6 @@ def test_a_peer_on_loopback_detects_it_is_public(swarm: Callable[..., Swarm]) ->
     assert status["maddrs"], status
     log = s.peers[0].output()
     assert "reachability: public (" in log and "dialled us back at 127.0.0.1:" in log, log[-2000:]
-
-
-@pytest.fixture
-def wan(netbed: NetBed, tmp_path: Path) -> Iterator[Callable[..., NetSwarm]]:
-    made: list[NetSwarm] = []
-
-    def make(*extra: str) -> NetSwarm:
-        s = make_net_swarm(netbed, tmp_path / f"wan-{len(made)}", *extra)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 @pytest.mark.integration

@@ -23,8 +23,8 @@ from peers.averager import round_group_bits
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.node import Node, NodeOptions
 from proto import encode_ticket
-from tests.harness import Swarm
-from tests.test_swarm import _ok_counts, _ok_hashes
+from tests.harness import Swarm, round_hashes
+from tests.test_swarm import _ok_counts
 
 # ---------------------------------------------------------------- the split and the mixing rule
 
@@ -191,7 +191,7 @@ def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm])
     s = swarm(3, "outer.overlap=streaming", f"trainer.inner_steps={H}", f"outer.fragments={F}")
     statuses = s.wait_all_at(12, timeout=300)  # 12 fragment rounds: 3 sweeps of the 4 fragments
 
-    for step, found in _ok_hashes(statuses).items():
+    for step, found in round_hashes(statuses).items():
         assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
     counts = _ok_counts(statuses)
     assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"
@@ -240,6 +240,6 @@ def test_streaming_with_error_feedback_resumes_from_checkpoint(swarm: Callable[.
     assert resumed["outer_step"] >= before["outer_step"]
     target = max(p.status()["outer_step"] for p in s.peers) + 4
     final = s.wait_all_at(target, timeout=240)
-    for step, found in _ok_hashes(final).items():
+    for step, found in round_hashes(final).items():
         assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
     assert any(count == 2 for count in _ok_counts(final).values())

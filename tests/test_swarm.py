@@ -11,19 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Swarm, get_json, get_text, wait_for
+from tests.harness import Swarm, get_json, get_text, round_hashes, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _ok_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
-    """outer step → the θ_global hashes the peers report having after it."""
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for status in statuses:
-        for entry in status["rounds"]:
-            if entry["result"] in ("ok", "resynced"):
-                by_step[entry["outer_step"]].add(entry["global_sha256"])
-    return by_step
 
 
 def _ok_counts(statuses: list[dict[str, Any]]) -> dict[int, int]:
@@ -40,7 +30,7 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     statuses = s.wait_all_at(3, timeout=240)
 
     # Every peer that reports a given outer step holds the same θ_global bits.
-    hashes = _ok_hashes(statuses)
+    hashes = round_hashes(statuses)
     for step, found in hashes.items():
         assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
     counts = _ok_counts(statuses)
@@ -79,7 +69,7 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     assert "resumed from checkpoint" in leaver.output()
     target = max(st["outer_step"] for st in (p.status() for p in s.peers)) + 2
     final = s.wait_all_at(target, timeout=180)
-    for step, found in _ok_hashes(final).items():
+    for step, found in round_hashes(final).items():
         assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"
 
 
@@ -134,7 +124,7 @@ def test_int2_compression_with_error_feedback_and_muon(swarm: Callable[..., Swar
 
     s = swarm(2, "averaging.compression=int2", "trainer.optimizer=muon")
     statuses = s.wait_all_at(3, timeout=240)
-    for step, found in _ok_hashes(statuses).items():
+    for step, found in round_hashes(statuses).items():
         assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
     assert any(count == 2 for count in _ok_counts(statuses).values()), statuses
     # What a peer sent per averaged round: int2 payloads (≈ 0.28 B per value) where fp32 would be 4 B.
@@ -159,5 +149,5 @@ def test_int2_compression_with_error_feedback_and_muon(swarm: Callable[..., Swar
     assert "resumed from checkpoint" in leaver.output()
     target = max(p.status()["outer_step"] for p in s.peers) + 2
     final = s.wait_all_at(target, timeout=180)
-    for step, found in _ok_hashes(final).items():
+    for step, found in round_hashes(final).items():
         assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"

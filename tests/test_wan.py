@@ -8,8 +8,7 @@ Needs root (skips without it; fails under CI=true).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from tests.wanrun import (
     NAT_PEER,
     NetSwarm,
     descendants,
-    make_net_swarm,
     round_hashes,
     sigterm_and_survivors,
     survivors,
@@ -31,21 +29,6 @@ pytestmark = pytest.mark.integration
 # Two NAT hosts, two peers: the smallest run where traffic has to cross the public bootstrap.
 NAT_HOSTS = ("natA", "natB")
 RATE_MBIT = 20.0  # the slow link: with 40 ms each way at the NAT, 80 ms RTT to the bootstrap
-
-
-@pytest.fixture
-def wan(netbed: NetBed, tmp_path: Path) -> Iterator[Callable[..., NetSwarm]]:
-    """`wan(*overrides)`: a NetSwarm on this test's bed; closed (every process reaped) before the bed goes."""
-    made: list[NetSwarm] = []
-
-    def make(*extra: str) -> NetSwarm:
-        s = make_net_swarm(netbed, tmp_path / f"wan-{len(made)}", *extra)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def joint_rounds(statuses: list[dict[str, Any]]) -> dict[int, str]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from tests.harness import FAST, REPO, Proc, Swarm
+from tests.harness import FAST, REPO, Proc, Swarm, round_hashes  # noqa: F401  (re-exported)
 from tests.netbed import NetBed, _ns_pids
 
 # Peers behind a NAT cannot be reached, so for now they are told so (client mode). Once reachability
@@ -89,16 +89,6 @@ class NetSwarm(Swarm):
 def make_net_swarm(bed: NetBed, root: Path, *extra: str) -> NetSwarm:
     """Tiny preset, the harness's fast settings plus `extra` (`section.key=value`) for every process."""
     return NetSwarm(root, overrides=(*FAST, *extra), bed=bed)
-
-
-def round_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
-    """outer step → the θ_global hashes the peers report holding after it (averaged or re-synced rounds)."""
-    by_step: dict[int, set[str]] = defaultdict(set)
-    for status in statuses:
-        for entry in status["rounds"]:
-            if entry["result"] in ("ok", "resynced"):
-                by_step[entry["outer_step"]].add(entry["global_sha256"])
-    return by_step
 
 
 def describe(pids: list[int]) -> list[str]:
