@@ -21,8 +21,8 @@ from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
-from dilocod.trainer.inner import TrainerConfig
 from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
+from dilocod.trainer.settings import TrainerConfig
 
 if TYPE_CHECKING:
     from peers.auth import RunAuth

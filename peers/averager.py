@@ -9,41 +9,34 @@ host. What it adds:
   0 for everyone else (they still take part, and learn that they must re-sync);
 - results are exact (see `allreduce.py`) and land in the shared tensors only when complete, so a
   failed round leaves the inputs intact;
-- state downloads skip donors the caller excludes or that are behind, and are size-bounded.
+- state downloads are for the run's peers only (`statedonors.py`); who counts in a group is decided
+  from the gathered data in `membership.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import random
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads the `typing` form of rpc_* hints)
+from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging import averager as averager_module
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MSGPackSerializer, ValueWithExpiration
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
 
 from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
 from peers.auth import RunAuth
+from peers.membership import agree_weights, decode_gathered, gathered_proof, warn_once
+from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
-from proto import ProtoError, decode_ticket
-
-StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
 
 
 def chunk_timeout(allreduce_timeout: float, request_timeout: float) -> float:
@@ -107,7 +100,7 @@ class BanAwareMatchmaking(Matchmaking):
         if self.auth is not None and not self.auth.admits_member(
             context.remote_id.to_bytes(), gathered_proof(MSGPackSerializer, request.gather)
         ):
-            _warn_once(f"refused peer {context.remote_id} into a group: it holds no valid run key")
+            warn_once(f"refused peer {context.remote_id} into a group: it holds no valid run key")
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
         return super()._check_reasons_to_reject(request, context)
 
@@ -123,7 +116,7 @@ class BanAwareMatchmaking(Matchmaking):
         return await super()._request_join_group(leader)
 
 
-class RunAverager(DecentralizedAverager):
+class RunAverager(StateDonors):
     def __init__(
         self,
         *args: Any,
@@ -136,13 +129,10 @@ class RunAverager(DecentralizedAverager):
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
-        self._auth = auth
-        self._key_holders: set[PeerID] = set()  # peers that proved the run key (rpc_present_run_key)
-        self._state_provider = state_provider
         self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
         self._codec = codec
         self._subset: list[int] | None = None  # which tensors the next round averages (None: all)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, state_provider=state_provider, auth=auth, **kwargs)
 
     def run(self) -> None:
         # Runs in the averager process: hivemind builds its Matchmaking by this module-level name.
@@ -195,28 +185,12 @@ class RunAverager(DecentralizedAverager):
         self._allreduce_timeout = allreduce_timeout
         future.set_result(None)
 
-    # ---- host side ----------------------------------------------------------------------------------
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
-        """Called (in the host) when a peer downloads our state."""
-        if self._state_provider is None:
-            raise RuntimeError("this peer does not share state")
-        meta, tensors = self._state_provider()
-        return meta, tensors, None
-
-    def download_state(
-        self, *, exclude: Sequence[str], min_step: int, max_elements: int, timeout: float
-    ) -> Any:
-        future: MPFuture = MPFuture()
-        kwargs = dict(future=future, exclude=list(exclude), min_step=min_step, max_elements=max_elements)
-        self._outer_pipe.send(("_download_state", [], dict(kwargs, timeout=timeout)))
-        return future
-
     # ---- averager process ----------------------------------------------------------------------------
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.monotonic()
         try:
             self._check_members(group_info)
-            bandwidths, modes, tickets = _decode_gathered(self.serializer, group_info.gathered)
+            bandwidths, modes, tickets = decode_gathered(self.serializer, group_info.gathered)
             weights = agree_weights(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
             if not any(weights):
                 raise AllreduceException("no member of the group holds a valid ticket")
@@ -299,202 +273,6 @@ class RunAverager(DecentralizedAverager):
                 tensor.copy_(averaged)
         return runner
 
-    # ---- state downloads are for the run's peers only ------------------------------------------------
-    async def rpc_present_run_key(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> averaging_pb2.MessageFromLeader:
-        """A peer about to download our state proves its run key first (a download request carries nothing)."""
-        if self._auth is not None and self._auth.admits_member(context.remote_id.to_bytes(), request.gather):
-            if len(self._key_holders) > 4096:
-                self._key_holders.clear()
-            self._key_holders.add(context.remote_id)
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
-        return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        auth = self._auth
-        if auth is not None:
-            peer = context.remote_id
-            admitted = (
-                peer in self._key_holders
-                if auth.secret is not None
-                else auth.admits_member(peer.to_bytes(), None)
-            )
-            if not admitted:
-                _warn_once(f"refused a state download to peer {peer}: it holds no valid run key")
-                return
-        async for message in super().rpc_download_state(request, context):
-            yield message
-
-    async def _download_state(
-        self, future: MPFuture, exclude: list[str], min_step: int, max_elements: int, timeout: float
-    ) -> None:
-        try:
-            donors = await self._donors(set(exclude), min_step)
-            for donor, priority in donors:
-                try:
-                    meta, tensors = await asyncio.wait_for(self._download_from(donor, max_elements), timeout)
-                except Exception as e:
-                    self._log_donor_failure(donor, e)
-                    continue
-                future.set_result((donor.to_base58(), priority, meta, tensors))
-                return
-        finally:
-            if not future.done():
-                future.set_result(None)
-
-    async def _donors(self, exclude: set[str], min_step: int) -> list[tuple[PeerID, float]]:
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        found = await self.dht.get(key, latest=True, return_future=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        donors = []
-        for raw_peer, item in entries.items():
-            try:
-                peer = PeerID(raw_peer)
-            except Exception:
-                continue
-            value = item.value if isinstance(item, ValueWithExpiration) else None
-            if not isinstance(value, int | float) or not np.isfinite(value) or value < min_step:
-                continue
-            if peer == self.peer_id or peer.to_base58() in exclude:
-                continue
-            donors.append((peer, float(value)))
-        random.shuffle(donors)  # equal claims are tried in random order; the caller verifies content
-        donors.sort(key=lambda pair: pair[1], reverse=True)
-        return donors
-
-    async def _download_from(self, donor: PeerID, max_elements: int) -> tuple[bytes, list[torch.Tensor]]:
-        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
-        if self._auth is not None and self._auth.secret is not None:
-            proof = self._auth.member_proof(self.peer_id.to_bytes())
-            await stub.rpc_present_run_key(
-                averaging_pb2.JoinRequest(gather=proof), timeout=self.request_timeout
-            )
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        meta: bytes | None = None
-        parts: list[Any] = []
-        tensors: list[torch.Tensor] = []
-        elements = 0
-        async for message in aiter_with_timeout(stream, timeout=self.request_timeout * 10):
-            if message.metadata and meta is None:
-                meta = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                elements += tensors[-1].numel()
-                parts = []
-            parts.append(message.tensor_part)
-            if elements > max_elements or len(parts) > 1_000_000:
-                raise ValueError("donor sent more data than our state can hold")
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        if not isinstance(meta, bytes):
-            raise ValueError("donor sent no state metadata")
-        return meta, tensors
-
-    def _log_donor_failure(self, donor: PeerID, error: BaseException) -> None:
-        from hivemind.utils import get_logger
-
-        get_logger(__name__).info(f"state download from {donor} failed: {error!r}")
-
 
 async def _keep_group_key(_group_info: GroupInfo) -> None:
     return None
-
-
-def _log() -> Any:
-    from hivemind.utils import get_logger
-
-    return get_logger(__name__)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """A refusal is worth one line per peer and reason: a stranger may keep asking."""
-    if message in _warned:
-        return
-    if len(_warned) > 4096:
-        _warned.clear()
-    _warned.add(message)
-    _log().warning(message)
-
-
-def _unwrap_user(serializer: Any, user_bytes: Any) -> tuple[Any, Any]:
-    """A member's own gathered data, [ticket bytes, run-key proof] (see `RunAverager.step`)."""
-    user = serializer.loads(user_bytes)
-    if not isinstance(user, list | tuple) or len(user) != 2:
-        return None, None
-    return user[0], user[1]
-
-
-def gathered_proof(serializer: Any, blob: Any) -> bytes | None:
-    """The run-key proof in one member's gathered data, or None when it has none (never raises)."""
-    try:
-        _bandwidth, _mode, user_bytes = serializer.loads(blob)
-        proof = _unwrap_user(serializer, user_bytes)[1]
-    except Exception:
-        return None
-    return proof if isinstance(proof, bytes) else None
-
-
-def _decode_gathered(
-    serializer: Any, gathered: Sequence[bytes]
-) -> tuple[list[float | None], list[AveragingMode], list[dict[str, Any] | None]]:
-    """Each member's (bandwidth, mode, ticket); anything malformed becomes (None, CLIENT, None)."""
-    bandwidths: list[float | None] = []
-    modes: list[AveragingMode] = []
-    tickets: list[dict[str, Any] | None] = []
-    for blob in gathered:
-        bandwidth, mode, ticket = None, AveragingMode.CLIENT, None
-        try:
-            raw_bandwidth, raw_mode, user_bytes = serializer.loads(blob)
-            mode = AveragingMode(raw_mode)
-            if isinstance(raw_bandwidth, int | float) and np.isfinite(raw_bandwidth) and raw_bandwidth >= 0:
-                bandwidth = float(raw_bandwidth)
-            ticket = decode_ticket(_unwrap_user(serializer, user_bytes)[0])
-        except (ProtoError, Exception):
-            pass
-        bandwidths.append(bandwidth)
-        modes.append(mode)
-        tickets.append(ticket)
-    return bandwidths, modes, tickets
-
-
-def agree_weights(
-    tickets: Sequence[dict[str, Any] | None],
-    modes: Sequence[AveragingMode],
-    peer_ids: Sequence[str] | None = None,
-) -> list[float]:
-    """Weight 1 for contributors whose (outer step, θ hash, size) is the group's most common; else 0.
-
-    Every member runs this on the same gathered data, so all reach the same answer. Ties go to the
-    smallest (step, hash) so that the choice does not depend on who computes it. Then a member that
-    more than half of those contributors ban (tickets list their bans) loses its weight too: one
-    peer's ban list alone never excludes anybody, but a liar most of the group caught does not count.
-    """
-    weights = _majority_weights(tickets, modes)
-    if peer_ids is None:
-        return weights
-    voters = [t for t, w in zip(tickets, weights) if w > 0 and t is not None]
-    votes = Counter(banned for t in voters for banned in set(t.get("bans") or ()))
-    return [0.0 if votes[peer] * 2 > len(voters) else w for peer, w in zip(peer_ids, weights)]
-
-
-def _majority_weights(
-    tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]
-) -> list[float]:
-    keys = [
-        (t["outer_step"], t["global_sha256"], t["num_params"])
-        if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX
-        else None
-        for t, mode in zip(tickets, modes)
-    ]
-    counts = Counter(key for key in keys if key is not None)
-    if not counts:
-        return [0.0] * len(keys)
-    top = max(counts.values())
-    majority = min(key for key, count in counts.items() if count == top)
-    return [1.0 if key == majority else 0.0 for key in keys]

@@ -22,9 +22,9 @@ from hivemind.utils import MSGPackSerializer
 
 from dilocod.config import ConfigError, describe, load_config
 from peers.auth import Identity, RunAuth, RunRecordValidator, parse_run_key
-from peers.averager import gathered_proof
 from peers.errors import PeersError
 from peers.group import AveragingOptions, GroupAverager
+from peers.membership import gathered_proof
 from peers.node import Node, NodeOptions
 from proto import encode_ticket
 from tests.harness import Swarm, get_json

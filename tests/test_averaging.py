@@ -9,8 +9,8 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 
-from peers.averager import agree_weights
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.membership import agree_weights
 from peers.node import Node, NodeOptions
 from proto import encode_ticket
 

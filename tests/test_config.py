@@ -20,8 +20,8 @@ from dilocod.config import (
 )
 from dilocod.diloco.outer import OuterConfig
 from dilocod.trainer.data import DataConfig
-from dilocod.trainer.inner import TrainerConfig
 from dilocod.trainer.model import PRESETS, ModelConfig
+from dilocod.trainer.settings import TrainerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.toml"))

@@ -17,10 +17,11 @@ from dilocod.cli import _parser, join_overrides
 from dilocod.config import ConfigError, load_config
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState
-from dilocod.trainer import inner
+from dilocod.trainer import settings
 from dilocod.trainer.data import Corpus, DataConfig, ShardSampler
-from dilocod.trainer.inner import InnerTrainer, TrainerConfig, checkpointing_enabled, resolve_devices
+from dilocod.trainer.inner import InnerTrainer
 from dilocod.trainer.model import ModelConfig
+from dilocod.trainer.settings import TrainerConfig, checkpointing_enabled, resolve_devices
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 400
 CFG = TrainerConfig(batch_size=2, seq_len=32, warmup_steps=2, device="cpu", threads=1)
@@ -138,7 +139,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 
 def test_cpu_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inner.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    monkeypatch.setattr(settings.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     cpu = torch.device("cpu")
     assert resolve_devices(replace(CFG, devices=1)) == [cpu]
     assert resolve_devices(replace(CFG, devices="auto")) == [cpu]  # auto on CPU: one
@@ -177,12 +178,12 @@ def test_activation_checkpointing_auto_follows_preset_and_device() -> None:
 
 
 def test_cpu_ranks_split_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inner.os, "sched_getaffinity", lambda _pid: set(range(8)))
+    monkeypatch.setattr(settings.os, "sched_getaffinity", lambda _pid: set(range(8)))
     cpu = torch.device("cpu")
-    assert inner._cpu_threads(TrainerConfig(threads=0), cpu, 2) == 4
-    assert inner._cpu_threads(TrainerConfig(threads=0), cpu, 1) == 0  # torch's default
-    assert inner._cpu_threads(TrainerConfig(threads=3), cpu, 2) == 3  # an explicit value wins
-    assert inner._cpu_threads(TrainerConfig(threads=0), torch.device("cuda", 0), 2) == 0
+    assert settings.cpu_threads(TrainerConfig(threads=0), cpu, 2) == 4
+    assert settings.cpu_threads(TrainerConfig(threads=0), cpu, 1) == 0  # torch's default
+    assert settings.cpu_threads(TrainerConfig(threads=3), cpu, 2) == 3  # an explicit value wins
+    assert settings.cpu_threads(TrainerConfig(threads=0), torch.device("cuda", 0), 2) == 0
 
 
 # ---------------------------------------------------------------- training paths on CPU
@@ -229,7 +230,7 @@ def test_rank_streams_share_the_shard_and_differ_in_windows() -> None:
 
 
 def test_rank_one_trainer_reads_stream_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inner.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(settings.os, "sched_getaffinity", lambda _pid: {0, 1})
     rank1 = make_trainer(replace(CFG, devices=2), rank=1)
     assert rank1.sampler.stream == 1 and rank1.world_size == 1  # no group joined: trains alone
     assert rank1.tokens_per_step == CFG.batch_size * CFG.seq_len

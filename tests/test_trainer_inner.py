@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from dilocod.trainer.data import Corpus, DataConfig
-from dilocod.trainer.inner import InnerTrainer, TrainerConfig, lr_at, resolve_device
+from dilocod.trainer.inner import InnerTrainer
 from dilocod.trainer.model import ModelConfig
 from dilocod.trainer.optim import MuonWithAdamW
+from dilocod.trainer.settings import TrainerConfig, lr_at, resolve_device
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 400
 CFG = TrainerConfig(batch_size=4, seq_len=64, lr=3e-3, warmup_steps=5, total_steps=1000, device="cpu")
