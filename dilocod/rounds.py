@@ -1,12 +1,13 @@
-"""One outer round, and getting back in step with the run when we are not.
+"""One outer round, and when to get back in step with the run (how: `dilocod/catchup.py`).
 
 The rules, which keep every group member's θ_global bit-identical:
 - a pseudo-gradient is only averaged with peers at the same outer step holding the same θ_global
   (the group's tickets decide who counts, see `peers/averager.py`);
 - a complete, agreed average is applied by everyone with the same code: same bytes in, same bytes out;
-- a peer whose round failed, or that found itself in the minority, or that finds the run ahead of it,
-  downloads θ_global and the outer momentum from a peer (verified against its hash) before it
-  contributes again;
+- a peer whose round failed, or that found itself in the minority, or that finds the run ahead of it
+  (after a round, and before it looks for a group), downloads θ_global and the outer momentum from a
+  peer (verified against its hash) before it contributes again; its inner progress not yet averaged is
+  kept on top of the new θ_global (`outer.rebase_on_resync`) unless it was far behind;
 - a peer that found no group keeps its inner progress and tries again after H more steps, unless no
   other peer of the run is alive: then it is alone and applies its own pseudo-gradient.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -31,25 +31,23 @@ import torch
 
 from dilocod.adversary import Adversary
 from dilocod.bans import BanList
+from dilocod.catchup import CatchUp
 from dilocod.codecs import CodecError, ErrorFeedback, roundtrip
 from dilocod.config import Config
-from dilocod.diloco import OuterOptimizer, global_sha256
+from dilocod.diloco import OuterOptimizer
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState, RoundRecord
 from dilocod.trainer import InnerTrainer, StepStats
-from peers.group import DownloadedState, GroupAverager, RoundOutcome
-from proto import ProtoError, decode_state_meta, encode_state_meta, encode_ticket
+from peers.group import GroupAverager, RoundOutcome
+from proto import encode_ticket
 
 if TYPE_CHECKING:
     from dilocod.daemon import PeerDaemon
 
 log = logging.getLogger("dilocod.rounds")
 
-DOWNLOAD_ATTEMPTS = 3
-RECORD_WAITS = 3  # status intervals to wait for the records of a donor's step
 
-
-class RoundKeeper:
+class RoundKeeper(CatchUp):
     def __init__(
         self,
         cfg: Config,
@@ -97,6 +95,10 @@ class RoundKeeper:
             await self._sync_delayed()
             return
         self.state.phase = "averaging"
+        # A straggler (paused, slow, or back from a failed round) whose run has moved on would wait out a
+        # matchmaking deadline at a step nobody is at any more: re-sync first (keeping its progress, see
+        # catchup.py) and bring its Δ to the group forming at the run's step now.
+        await self.catch_up()
         local = await self._in_trainer(self.trainer.working_params_fp32)
         raw = self.outer.pseudo_gradient(local)
         delta, task = await self._send(raw)
@@ -124,7 +126,7 @@ class RoundKeeper:
 
     async def _settle(self, outcome: RoundOutcome, delta: list[torch.Tensor]) -> str:
         """Act on a round's outcome: "applied" (a new θ_global), "adopted" (re-synced from a peer: our
-        progress is gone) or "kept" (nothing changed: our progress waits for the next round)."""
+        progress is rebased onto it, or gone) or "kept" (nothing changed: our progress waits for the next round)."""
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
         self._round_bytes = (outcome.bytes_sent, outcome.bytes_received)
         await self._judge(outcome)
@@ -171,7 +173,7 @@ class RoundKeeper:
                 settled = await self._settle(await task, delta)
             finally:
                 self._carry = None
-            if settled == "adopted":  # the working copy is the downloaded θ_global: start afresh
+            if settled == "adopted":  # progress is now measured from the downloaded θ_global
                 self._start = None
                 return
             if settled == "kept":  # the last round's progress was not applied: send it again with ours
@@ -352,126 +354,6 @@ class RoundKeeper:
         self.metrics.outer_step.set(self.outer.step)
         self.share_state()
 
-    def share_state(self) -> None:
-        """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
-        tensors = self.adversary.poison_state([t.clone() for t in self.outer.state_tensors()])
-        meta = encode_state_meta(
-            {
-                "outer_step": self.outer.step,
-                # self-consistent even when poisoned: only the run's published hashes can expose a liar
-                "global_sha256": global_sha256(tensors[: len(self.outer.params)]),
-                "num_tensors": 2 * len(self.outer.params),
-                "param_count": len(self.outer.params),
-                "time": time.time(),
-            }
-        )
-        self.daemon.set_snapshot((meta, tensors))
-        self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
-
-    # ---- catching up -----------------------------------------------------------------------------------
-    async def catch_up(self, *, force: bool = False) -> bool:
-        """Download θ_global from a peer if the run is ahead of us (or, with `force`, if we diverged)."""
-        others = await self._other_peers()
-        best = max((r["outer_step"] for r in others), default=-1)
-        if best < self.outer.step or (best == self.outer.step and not force):
-            return False
-        self.state.phase = "syncing"
-        min_step = self.outer.step if force else self.outer.step + 1
-        tried: list[str] = self.bans.peer_ids()
-        for _ in range(DOWNLOAD_ATTEMPTS):
-            downloaded = await self.group.download_state(
-                exclude=tried,
-                min_step=min_step,
-                max_elements=2 * self.outer.num_elements,
-                timeout=self.cfg.averaging.state_timeout,
-            )
-            if downloaded is None:
-                break
-            tried.append(downloaded.donor)
-            self._count_bytes(0, GroupAverager.payload_bytes(downloaded))
-            verdict = await self._verify(downloaded, min_step)
-            if verdict is None:
-                await self._adopt(downloaded)
-                return True
-            problem, lie = verdict
-            log.warning("refused state from %s: %s", downloaded.donor, problem)
-            if lie:  # only evidence of lying is punished; a donor ahead of the records is merely early
-                await self._punish([(downloaded.donor, f"served state that was refused: {problem}")])
-        log.warning("could not re-sync from peers (best known outer step %d); training on", best)
-        return False
-
-    async def _verify(self, downloaded: DownloadedState, min_step: int) -> tuple[str, bool] | None:
-        """None if the state may be adopted, else (why not, whether that proves the donor lied)."""
-        try:
-            meta = decode_state_meta(downloaded.meta)
-        except ProtoError as e:
-            return f"bad metadata: {e}", True
-        problem = self._check_content(downloaded.tensors, meta)
-        if problem is not None:
-            return problem, True
-        step = meta["outer_step"]
-        if step < min_step:
-            return f"it is at outer step {step}, we need {min_step}", False
-        # The hash a step's θ must have is what the *other* peers report; the donor's own record only counts
-        # when nobody else reports that step (a run of two cannot tell who lies anyway). Records can lag a
-        # donor that just finished a round, so wait a little for them.
-        for attempt in range(RECORD_WAITS + 1):
-            others = await self._other_peers()
-            expected = {
-                **_majority_hashes(others),
-                **_majority_hashes([r for r in others if r["peer_id"] != downloaded.donor]),
-            }
-            agreed = expected.get(step)
-            if agreed is not None:
-                if agreed != meta["global_sha256"]:
-                    return "its θ_global is not the one most peers report for that step", True
-                return None
-            if attempt < RECORD_WAITS:
-                await asyncio.sleep(self.cfg.net.status_interval)
-        return f"no peer reports a θ_global for outer step {step}", False
-
-    def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
-        """Shapes, dtype, finiteness, and the donor's hash of what it actually sent."""
-        n = len(self.outer.params)
-        if len(tensors) != 2 * n or meta["param_count"] != n:
-            return f"expected {2 * n} tensors, got {len(tensors)}"
-        for own, new in zip(self.outer.state_tensors(), tensors):
-            if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
-                return "a tensor has the wrong shape, dtype or non-finite values"
-        if global_sha256(tensors[:n]) != meta["global_sha256"]:
-            return "its θ_global does not match its own hash"
-        return None
-
-    async def _adopt(self, downloaded: DownloadedState) -> None:
-        meta = decode_state_meta(downloaded.meta)
-        await self._in_trainer(lambda: self._adopt_in_trainer(meta["outer_step"], downloaded.tensors))
-        self.state.resyncs += 1
-        self.metrics.resyncs.inc()
-        self.state.alone = False
-        self._record("resynced", 0, 0.0)
-        self._after_new_global()
-        log.info(
-            "re-synced to outer step %d from %s (θ %s)",
-            self.outer.step,
-            downloaded.donor,
-            self.outer.sha256[:12],
-        )
-        await self.daemon.publish_status()
-
-    def _adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> None:
-        self.outer.load_state(step, tensors)
-        self.trainer.load_params(self.outer.params)
-        if self.feedback is not None:  # the residual belonged to the θ_global we just left
-            self.feedback.reset()
-
-    async def _other_peers(self) -> list[dict[str, Any]]:
-        try:
-            records = await self.daemon.run_view()
-        except Exception as e:
-            log.debug("could not read the run's records: %r", e)
-            return []
-        return [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
-
     async def _in_trainer(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.daemon.train_pool, fn)
 
@@ -483,11 +365,3 @@ def make_round_keeper(cfg: Config, *args: Any, **kwargs: Any) -> RoundKeeper:
 
         return StreamingKeeper(cfg, *args, **kwargs)
     return RoundKeeper(cfg, *args, **kwargs)
-
-
-def _majority_hashes(records: list[dict[str, Any]]) -> dict[int, str]:
-    """For each outer step, the θ hash most peers report (None-free); used to refuse odd donors."""
-    by_step: dict[int, Counter[str]] = {}
-    for record in records:
-        by_step.setdefault(record["outer_step"], Counter())[record["global_sha256"]] += 1
-    return {step: counts.most_common(1)[0][0] for step, counts in by_step.items()}

@@ -9,7 +9,14 @@ import struct
 import pytest
 import torch
 
-from dilocod.diloco.outer import OuterConfig, OuterOptimizer, global_sha256
+from dilocod.diloco.outer import (
+    REBASE_MAX_GAP,
+    OuterConfig,
+    OuterOptimizer,
+    global_sha256,
+    keeps_progress,
+    rebase,
+)
 
 THETA0 = [1.0, -2.0, 0.5]
 DELTAS = [
@@ -318,3 +325,26 @@ def test_outer_config_validate_rejects(cfg: OuterConfig, match: str) -> None:
 )
 def test_outer_config_validate_accepts(cfg: OuterConfig) -> None:
     cfg.validate()
+
+
+def test_rebase_keeps_the_pseudo_gradient_measured_from_the_new_global() -> None:
+    old_global, local = [vec(THETA0)], [vec([0.9, -1.8, 0.7])]
+    new_global = [vec([1.5, -2.5, 0.0])]
+    rebased = rebase(local, old_global, new_global)
+    # the peer's unsent progress (old θ_global − local) is what it now holds against the new θ_global
+    assert_fp32_close(new_global[0] - rebased[0], [0.1, -0.2, -0.2])
+    assert_fp32_close(rebased[0], [1.4, -2.3, 0.2])
+    # a peer with no progress (a fresh one) lands exactly on the new θ_global
+    assert torch.equal(rebase(old_global, old_global, new_global)[0], new_global[0])
+    with pytest.raises(ValueError, match="rebase"):
+        rebase(local, old_global, [])
+
+
+def test_progress_is_kept_only_for_a_near_re_sync_and_only_when_enabled() -> None:
+    on, off = OuterConfig(), OuterConfig(rebase_on_resync=False)
+    assert on.rebase_on_resync
+    assert keeps_progress(on, 7, 7)  # the losing side of a split at our own step
+    assert keeps_progress(on, 7, 8) and keeps_progress(on, 7, 7 + REBASE_MAX_GAP)
+    assert not keeps_progress(on, 7, 8 + REBASE_MAX_GAP)  # e.g. restarted from an old checkpoint
+    assert not keeps_progress(on, 7, 6)
+    assert not keeps_progress(off, 7, 8)

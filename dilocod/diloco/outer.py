@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import torch
 
 OVERLAP_MODES = ("none", "delayed", "streaming")
+# Progress made against a θ_global a few outer steps old is still worth sending (a `delayed` round's is
+# one step old by design); from far behind (a restart from an old checkpoint) it is not. 4 leaves room
+# for a straggler whose failed matchmaking took a few of the others' rounds.
+REBASE_MAX_GAP = 4
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,11 @@ class OuterConfig:
     # streaming: a synced fragment's working copy becomes mix_alpha·local + (1 − mix_alpha)·θ_global
     # (0.5: the value Streaming DiLoCo uses, arXiv:2501.18512; 0: replace it by θ_global)
     mix_alpha: float = 0.5
+    # A peer that re-syncs to a θ_global at most REBASE_MAX_GAP outer steps ahead of its own (a missed
+    # round, a straggler, the losing side of a split) keeps its inner progress not yet averaged, rebased
+    # onto the new θ_global, and sends it in its next round; false drops it (the working copy becomes
+    # θ_global)
+    rebase_on_resync: bool = True
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -54,6 +63,27 @@ def global_sha256(tensors: Sequence[torch.Tensor]) -> str:
         flat = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
         digest.update(flat.numpy().tobytes())
     return digest.hexdigest()
+
+
+def rebase(
+    local: Sequence[torch.Tensor], old_global: Sequence[torch.Tensor], new_global: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """θ_local' = θ_global' − (θ_global − θ_local): the same pseudo-gradient, measured from the new θ_global.
+
+    So a peer that re-syncs keeps the inner progress it has not yet averaged: its next Δ is that progress
+    plus what it trains from here, instead of its work being thrown away.
+    """
+    if not len(local) == len(old_global) == len(new_global):
+        raise ValueError(f"rebase: {len(local)}, {len(old_global)} and {len(new_global)} tensors")
+    return [
+        torch.sub(new, torch.sub(old, cur.detach().to(device="cpu", dtype=torch.float32)))
+        for cur, old, new in zip(local, old_global, new_global)
+    ]
+
+
+def keeps_progress(cfg: OuterConfig, own_step: int, adopted_step: int) -> bool:
+    """Whether a re-sync from `own_step` to `adopted_step` rebases our progress (see `rebase`)."""
+    return cfg.rebase_on_resync and 0 <= adopted_step - own_step <= REBASE_MAX_GAP
 
 
 class OuterOptimizer:
