@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ from peers.group import RoundOutcome
 
 Pending = tuple[list[int], list[torch.Tensor], "asyncio.Task[RoundOutcome]"]
 
+log = logging.getLogger(__name__)
+
 
 class StreamingKeeper(RoundKeeper):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -54,6 +57,7 @@ class StreamingKeeper(RoundKeeper):
         self._pending: Pending | None = None  # the fragment round averaging in the background
         self._settling: list[int] | None = None  # the fragment whose outcome is being acted on
         self._slots = 0
+        self._slow_in_a_row = 0  # fragment rounds in a row that formed but outlasted their slot
 
     @property
     def sync_every(self) -> int:
@@ -70,11 +74,14 @@ class StreamingKeeper(RoundKeeper):
         if self._pending is not None:
             indices, delta, task = self._pending
             self._pending = None
-            if not task.done():
+            waited = not task.done()
+            if waited:
                 self.state.phase = "averaging"  # the network is slower than a slot of inner steps
             self._settling = indices
             try:
-                await self._settle(await task, delta)
+                outcome = await task
+                self._note_round_time(waited and outcome.found_group and outcome.complete)
+                await self._settle(outcome, delta)
             finally:
                 self._settling = None
         indices = self.fragments[fragment_of(self.outer.step, len(self.fragments))]
@@ -84,6 +91,19 @@ class StreamingKeeper(RoundKeeper):
         self._pending = (indices, delta, task)
         self.state.round_steps = 0
         self._slots += 1
+
+    def _note_round_time(self, outlasted_slot: bool) -> None:
+        # Streaming hides a fragment round only behind the next slot; once rounds (mostly matchmaking
+        # time on a fast link) outlast a slot, inner steps wait every slot. Say so once, with the fix;
+        # three in a row, so that the first round (waiting for the others to arrive) does not count.
+        self._slow_in_a_row = self._slow_in_a_row + 1 if outlasted_slot else 0
+        if self._slow_in_a_row != 3:
+            return
+        log.warning(
+            "a fragment round outlasted a slot of %d inner steps, so inner steps wait for the network; "
+            "raise trainer.inner_steps or lower outer.fragments (or averaging.min_matchmaking_time)",
+            self.sync_every,
+        )
 
     async def _send_fragment(
         self, indices: list[int], raw: list[torch.Tensor]
