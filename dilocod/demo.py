@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,9 +32,32 @@ class DemoArgs:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a child to bind soon.
+
+    Chosen at random below the kernel's ephemeral range: ports the kernel hands out by itself (p2pd's
+    listeners, the source port of every outgoing connection) come from that range, so a port picked
+    there can be taken by someone else before our child binds it.
+    """
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral > 12_000:
+        for _ in range(64):
+            port = random.randrange(10_000, first_ephemeral)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default; other systems differ, and then the fallback above still works
 
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
