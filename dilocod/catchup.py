@@ -168,7 +168,7 @@ class CatchUp:
             self.outer.step,
             downloaded.donor,
             self.outer.sha256[:12],
-            "" if kept is None else f", keeping our progress not yet averaged (‖Δ‖ = {kept:.4g})",
+            "" if not kept else f", keeping our progress not yet averaged (‖Δ‖ = {kept:.4g})",
         )
         await self.daemon.publish_status()
 

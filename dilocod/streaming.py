@@ -23,9 +23,10 @@ mix each fragment's new θ_global into the working copy. Here:
 Failures need no state of their own: Δ is always measured against θ_global, so a fragment round that
 was not applied (no group, a failed round) leaves its progress in the working copy, and the next round,
 which syncs the same fragment again (the outer step did not move), sends it. A re-sync (state
-download) replaces the working copy by θ_global and drops all of it, as without streaming; the peer
-then sends the fragment of the step it adopted at once (its Δ there is zero), so that it meets the
-group that its donor is forming rather than arriving one slot late again. A checkpoint needs nothing
+download) rebases the working copy onto the new θ_global, keeping the progress (or drops it when far
+behind), as without streaming (dilocod/catchup.py); the peer then sends the fragment of the step it
+adopted at once, so that it meets the group that its donor is forming rather than arriving one slot
+late again. A checkpoint needs nothing
 beyond what it already holds: the outer step says which fragment is next, and progress not yet in
 θ_global lives in the working copy.
 """

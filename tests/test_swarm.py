@@ -80,11 +80,20 @@ KEPT = re.compile(
 
 
 def test_a_straggler_keeps_its_progress_through_a_re_sync(swarm: Callable[..., Swarm]) -> None:
-    s = swarm(3)
+    s = swarm(3, "trainer.inner_steps=40")  # rounds spent mostly training, so the freeze lands there
     s.wait_all_at(1, timeout=180)
     straggler, others = s.peers[2], s.peers[:2]
-    step = straggler.status()["outer_step"]
-    # Freeze its daemon (its DHT and averager processes stay up) until the others average without it.
+    training = wait_for(
+        "the straggler to be training",
+        lambda: (st := straggler.status())["phase"] == "training" and st,
+        60,
+        0.05,
+    )
+    step = training["outer_step"]
+    time.sleep(0.5)  # a few of its 40 inner steps (2 s or more here) into the round
+    logged = len(straggler.output())  # a fresh peer's start-up re-sync has nothing to keep; skip it
+    # Freeze its daemon mid-round (its DHT and averager processes stay up) until the others average
+    # without it: it then holds inner progress that no round has averaged.
     straggler.signal(signal.SIGSTOP)
     try:
         target = max(p.status()["outer_step"] for p in others) + 1  # at least one round without it
@@ -94,7 +103,7 @@ def test_a_straggler_keeps_its_progress_through_a_re_sync(swarm: Callable[..., S
 
     # It finds the run ahead, adopts the run's θ_global, and keeps the inner steps it had not averaged.
     found = wait_for(
-        "the straggler to re-sync keeping its progress", lambda: KEPT.search(straggler.output()), 90
+        "the straggler to re-sync keeping its progress", lambda: KEPT.search(straggler.output()[logged:]), 90
     )
     assert int(found.group(1)) > step and float(found.group(2)) > 0, found.group(0)
     assert straggler.status()["resyncs"] >= 1
