@@ -44,6 +44,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "h10-int2": ("trainer.inner_steps=10", "averaging.compression=int2"),
     "h100-int2": ("trainer.inner_steps=100", "averaging.compression=int2"),
     "h150-int2": ("trainer.inner_steps=150", "averaging.compression=int2"),
+    "h100-muon-int2": ("trainer.inner_steps=100", "trainer.optimizer=muon", "averaging.compression=int2"),
+    # re-syncing without keeping the unsent progress (the behaviour before outer.rebase_on_resync)
+    "h100-norebase": ("trainer.inner_steps=100", "outer.rebase_on_resync=false"),
     "h10-delayed": ("trainer.inner_steps=10", "outer.overlap=delayed"),
     # Streaming DiLoCo: 2 fragments, each synced once per 10 steps, one every 5 steps
     "h10-streaming": ("trainer.inner_steps=10", "outer.overlap=streaming", "outer.fragments=2"),
