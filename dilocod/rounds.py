@@ -96,9 +96,13 @@ class RoundKeeper(CatchUp):
             return
         self.state.phase = "averaging"
         # A straggler (paused, slow, or back from a failed round) whose run has moved on would wait out a
-        # matchmaking deadline at a step nobody is at any more: re-sync first (keeping its progress, see
-        # catchup.py) and bring its Δ to the group forming at the run's step now.
-        await self.catch_up()
+        # matchmaking deadline at a step nobody is at any more: re-sync now (keeping its progress, see
+        # catchup.py) and average at the run's next round. Not at once: the others are already training
+        # towards it, and a straggler that rushed ahead would meet only the other stragglers, fork the run
+        # into pairs, and the pairs would then re-sync each other round after round.
+        if await self.catch_up():
+            self.state.round_steps = 0
+            return
         local = await self._in_trainer(self.trainer.working_params_fp32)
         raw = self.outer.pseudo_gradient(local)
         delta, task = await self._send(raw)

@@ -37,7 +37,9 @@ def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., S
     for status in never_resynced:
         assert status["inner_step"] >= (status["outer_step"] + 1) * H, status
 
-    evals = [e["eval_loss"] for e in statuses[0]["rounds"] if e["eval_loss"] is not None]
+    # Loss falls over the whole run: read it from a peer that was there from the first round (a late one
+    # sees only the last few, where a noisy eval may tick up).
+    evals = [e["eval_loss"] for e in never_resynced[0]["rounds"] if e["eval_loss"] is not None]
     assert evals[-1] < evals[0], evals
 
     # SIGTERM with a round possibly in flight: a clean exit with a checkpoint.
