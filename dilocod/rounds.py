@@ -4,10 +4,10 @@ The rules, which keep every group member's θ_global bit-identical:
 - a pseudo-gradient is only averaged with peers at the same outer step holding the same θ_global
   (the group's tickets decide who counts, see `peers/averager.py`);
 - a complete, agreed average is applied by everyone with the same code: same bytes in, same bytes out;
-- a peer whose round failed, or that found itself in the minority, or that finds the run ahead of it
-  (after a round, and before it looks for a group), downloads θ_global and the outer momentum from a
-  peer (verified against its hash) before it contributes again; its inner progress not yet averaged is
-  kept on top of the new θ_global (`outer.rebase_on_resync`) unless it was far behind;
+- a peer whose round failed, or that found itself in the minority, or that finds the run ahead of it,
+  downloads θ_global and the outer momentum from a
+  peer (verified against its hash) before it contributes again; with `outer.rebase_on_resync` its inner
+  progress not yet averaged is kept on top of the new θ_global unless it was far behind;
 - a peer that found no group keeps its inner progress and tries again after H more steps, unless no
   other peer of the run is alive: then it is alone and applies its own pseudo-gradient.
 
@@ -95,14 +95,6 @@ class RoundKeeper(CatchUp):
             await self._sync_delayed()
             return
         self.state.phase = "averaging"
-        # A straggler (paused, slow, or back from a failed round) whose run has moved on would wait out a
-        # matchmaking deadline at a step nobody is at any more: re-sync now (keeping its progress, see
-        # catchup.py) and average at the run's next round. Not at once: the others are already training
-        # towards it, and a straggler that rushed ahead would meet only the other stragglers, fork the run
-        # into pairs, and the pairs would then re-sync each other round after round.
-        if await self.catch_up():
-            self.state.round_steps = 0
-            return
         local = await self._in_trainer(self.trainer.working_params_fp32)
         raw = self.outer.pseudo_gradient(local)
         delta, task = await self._send(raw)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import signal
 import time
 from collections import defaultdict
@@ -72,48 +71,6 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     final = s.wait_all_at(target, timeout=180)
     for step, found in round_hashes(final).items():
         assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"
-
-
-KEPT = re.compile(
-    r"re-synced to outer step (\d+) .*keeping our progress not yet averaged \(‖Δ‖ = ([0-9.e+-]+)\)"
-)
-
-
-def test_a_straggler_keeps_its_progress_through_a_re_sync(swarm: Callable[..., Swarm]) -> None:
-    s = swarm(3, "trainer.inner_steps=40")  # rounds spent mostly training, so the freeze lands there
-    s.wait_all_at(1, timeout=180)
-    straggler, others = s.peers[2], s.peers[:2]
-    training = wait_for(
-        "the straggler to be training",
-        lambda: (st := straggler.status())["phase"] == "training" and st,
-        60,
-        0.05,
-    )
-    step = training["outer_step"]
-    time.sleep(0.5)  # a few of its 40 inner steps (2 s or more here) into the round
-    logged = len(straggler.output())  # a fresh peer's start-up re-sync has nothing to keep; skip it
-    # Freeze its daemon mid-round (its DHT and averager processes stay up) until the others average
-    # without it: it then holds inner progress that no round has averaged.
-    straggler.signal(signal.SIGSTOP)
-    try:
-        target = max(p.status()["outer_step"] for p in others) + 1  # at least one round without it
-        s.wait_all_at(target, timeout=90, peers=others)
-    finally:
-        straggler.signal(signal.SIGCONT)
-
-    # It finds the run ahead, adopts the run's θ_global, and keeps the inner steps it had not averaged.
-    found = wait_for(
-        "the straggler to re-sync keeping its progress", lambda: KEPT.search(straggler.output()[logged:]), 90
-    )
-    assert int(found.group(1)) > step and float(found.group(2)) > 0, found.group(0)
-    assert straggler.status()["resyncs"] >= 1
-
-    # And it averages with the others again, all on one θ_global.
-    target = max(p.status()["outer_step"] for p in s.peers) + 2
-    final = s.wait_all_at(target, timeout=120)
-    for done, found_hashes in round_hashes(final).items():
-        assert len(found_hashes) == 1, f"peers disagree at outer step {done}: {found_hashes}"
-    assert any(e["result"] == "ok" and e["outer_step"] > int(found.group(1)) for e in final[2]["rounds"])
 
 
 def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[..., Swarm]) -> None:

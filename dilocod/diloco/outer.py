@@ -37,11 +37,11 @@ class OuterConfig:
     # streaming: a synced fragment's working copy becomes mix_alpha·local + (1 − mix_alpha)·θ_global
     # (0.5: the value Streaming DiLoCo uses, arXiv:2501.18512; 0: replace it by θ_global)
     mix_alpha: float = 0.5
-    # A peer that re-syncs to a θ_global at most REBASE_MAX_GAP outer steps ahead of its own (a missed
-    # round, a straggler, the losing side of a split) keeps its inner progress not yet averaged, rebased
-    # onto the new θ_global, and sends it in its next round; false drops it (the working copy becomes
-    # θ_global)
-    rebase_on_resync: bool = True
+    # true: a peer that re-syncs to a θ_global at most REBASE_MAX_GAP outer steps ahead of its own (a
+    # missed round, a straggler, the losing side of a split) keeps its inner progress not yet averaged,
+    # rebased onto the new θ_global, and sends it in its next round. Off by default: side by side it made
+    # no difference beyond the benchmark's noise (docs/benchmarks.md), so dropping stays the default
+    rebase_on_resync: bool = False
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
