@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dilocod.catchup")
 
 DOWNLOAD_ATTEMPTS = 3
+CATCH_UP_PASSES = 3  # downloads in a row while the run keeps moving ahead of the state we adopted
 RECORD_WAITS = 3  # status intervals to wait for the records of a donor's step
 
 
@@ -53,8 +55,12 @@ class CatchUp:
     bans: BanList
     adversary: Adversary
     feedback: ErrorFeedback | None
+    _seen_hashes: dict[int, dict[str, str]]  # outer step → peer id → the θ hash it reported there
 
     if TYPE_CHECKING:  # defined by RoundKeeper
+
+        @property
+        def sync_every(self) -> int: ...
 
         def _count_bytes(self, sent: int, received: int) -> None: ...
         async def _punish(self, caught: list[tuple[str, str]]) -> None: ...
@@ -84,6 +90,16 @@ class CatchUp:
     # ---- catching up -----------------------------------------------------------------------------------
     async def catch_up(self, *, force: bool = False) -> bool:
         """Download θ_global from a peer if the run is ahead of us (or, with `force`, if we diverged)."""
+        adopted = False
+        # Short rounds can end while a state downloads: looking for a group at the step we adopted would
+        # then cost a whole matchmaking timeout, so go again while the records show the run ahead.
+        for _ in range(CATCH_UP_PASSES):
+            if not await self._catch_up_once(force=force and not adopted):
+                break
+            adopted = True
+        return adopted
+
+    async def _catch_up_once(self, *, force: bool) -> bool:
         others = await self._other_peers()
         best = max((r["outer_step"] for r in others), default=-1)
         if best < self.outer.step or (best == self.outer.step and not force):
@@ -92,12 +108,18 @@ class CatchUp:
         min_step = self.outer.step if force else self.outer.step + 1
         tried: list[str] = self.bans.peer_ids()
         for _ in range(DOWNLOAD_ATTEMPTS):
-            downloaded = await self.group.download_state(
-                exclude=tried,
-                min_step=min_step,
-                max_elements=2 * self.outer.num_elements,
-                timeout=self.cfg.averaging.state_timeout,
-            )
+            # The run moves on while a state downloads; the records read meanwhile say what θ the peers
+            # held at the step the donor sends, which the donor's state is checked against.
+            watcher = asyncio.create_task(self._watch_records())
+            try:
+                downloaded = await self.group.download_state(
+                    exclude=tried,
+                    min_step=min_step,
+                    max_elements=2 * self.outer.num_elements,
+                    timeout=self.cfg.averaging.state_timeout,
+                )
+            finally:
+                watcher.cancel()
             if downloaded is None:
                 break
             tried.append(downloaded.donor)
@@ -113,6 +135,11 @@ class CatchUp:
         log.warning("could not re-sync from peers (best known outer step %d); training on", best)
         return False
 
+    async def _watch_records(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.net.status_interval)
+            await self._other_peers()
+
     async def _verify(self, downloaded: DownloadedState, min_step: int) -> tuple[str, bool] | None:
         """None if the state may be adopted, else (why not, whether that proves the donor lied)."""
         try:
@@ -127,14 +154,11 @@ class CatchUp:
             return f"it is at outer step {step}, we need {min_step}", False
         # The hash a step's θ must have is what the *other* peers report; the donor's own record only counts
         # when nobody else reports that step (a run of two cannot tell who lies anyway). Records can lag a
-        # donor that just finished a round, so wait a little for them.
+        # donor that just finished a round, so wait a little for them; and the run can move on while a
+        # large state downloads, so what peers reported for earlier steps is kept (`_seen_hashes`).
         for attempt in range(RECORD_WAITS + 1):
-            others = await self._other_peers()
-            expected = {
-                **_majority_hashes(others),
-                **_majority_hashes([r for r in others if r["peer_id"] != downloaded.donor]),
-            }
-            agreed = expected.get(step)
+            await self._other_peers()  # records only say where peers are now: the ledger remembers
+            agreed = expected_hash(self._seen_hashes, step, downloaded.donor)
             if agreed is not None:
                 if agreed != meta["global_sha256"]:
                     return "its θ_global is not the one most peers report for that step", True
@@ -163,14 +187,31 @@ class CatchUp:
         self.state.alone = False
         self._record("resynced", 0, 0.0)
         self._after_new_global()
+        self.state.round_steps = await self._run_phase()
         log.info(
-            "re-synced to outer step %d from %s (θ %s)%s",
+            "re-synced to outer step %d from %s (θ %s)%s; joining the round at inner step %d of %d",
             self.outer.step,
             downloaded.donor,
             self.outer.sha256[:12],
             "" if not kept else f", keeping our progress not yet averaged (‖Δ‖ = {kept:.4g})",
+            self.state.round_steps,
+            self.sync_every,
         )
         await self.daemon.publish_status()
+
+    async def _run_phase(self) -> int:
+        """Where the peers at our new outer step are in their round. Training all H steps after a re-sync
+        would bring us to the next matchmaking a whole re-sync late, after the group formed without us,
+        and so on every round; training only the rest of the round brings us there with them."""
+        others = await self._other_peers()
+        return run_phase(
+            others,
+            self.outer.step,
+            now=time.time(),
+            tokens_per_step=self.trainer.tokens_per_step,
+            sync_every=self.sync_every,
+            max_age=2 * self.cfg.net.status_interval,
+        )
 
     def _adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> float | None:
         """Adopt a donor's θ_global and momentum; returns ‖Δ‖ of the progress kept, or None if dropped."""
@@ -191,12 +232,47 @@ class CatchUp:
         except Exception as e:
             log.debug("could not read the run's records: %r", e)
             return []
-        return [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
+        others = [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
+        remember_hashes(self._seen_hashes, others)
+        return others
 
 
-def _majority_hashes(records: list[dict[str, Any]]) -> dict[int, str]:
-    """For each outer step, the θ hash most peers report (None-free); used to refuse odd donors."""
-    by_step: dict[int, Counter[str]] = {}
+def remember_hashes(seen: dict[int, dict[str, str]], records: list[dict[str, Any]], keep: int = 32) -> None:
+    """Add each record's (outer step, θ hash) to `seen` (step → peer id → hash), for the `keep` latest steps."""
     for record in records:
-        by_step.setdefault(record["outer_step"], Counter())[record["global_sha256"]] += 1
-    return {step: counts.most_common(1)[0][0] for step, counts in by_step.items()}
+        seen.setdefault(record["outer_step"], {})[record["peer_id"]] = record["global_sha256"]
+    for step in sorted(seen)[:-keep]:
+        del seen[step]
+
+
+def expected_hash(seen: dict[int, dict[str, str]], step: int, donor: str) -> str | None:
+    """The θ hash most peers other than `donor` reported for `step`; the donor's own report only when
+    nobody else reported that step; None when nobody did."""
+    reports = seen.get(step, {})
+    others = Counter(h for peer, h in reports.items() if peer != donor)
+    if others:
+        return others.most_common(1)[0][0]
+    return reports.get(donor)
+
+
+def run_phase(
+    records: list[dict[str, Any]],
+    step: int,
+    *,
+    now: float,
+    tokens_per_step: int,
+    sync_every: int,
+    max_age: float,
+) -> int:
+    """Inner steps into the current round that the peers at `step` have reached by `now`: the median of
+    their `round_steps`, each moved on at its throughput for the age of its record (at most `max_age`:
+    clocks differ), and at most `sync_every` − 1 so that we take at least one step. 0 if none says."""
+    places = []
+    for record in records:
+        if record["outer_step"] != step or record.get("round_steps") is None:
+            continue
+        age = min(max(0.0, now - record["time"]), max_age)
+        places.append(record["round_steps"] + age * record["tokens_per_second"] / max(tokens_per_step, 1))
+    if not places:
+        return 0
+    return max(0, min(int(statistics.median(places)), sync_every - 1))

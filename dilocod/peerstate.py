@@ -153,4 +153,5 @@ class PeerState:
             "bytes_received": self.bytes_received,
             "compute_utilization": self.compute_utilization(),
             "relayed": self.relayed,
+            "round_steps": self.round_steps,
         }

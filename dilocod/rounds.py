@@ -76,6 +76,7 @@ class RoundKeeper(CatchUp):
         )
         self._start: list[torch.Tensor] | None = None
         self._carry: list[torch.Tensor] | None = None
+        self._seen_hashes: dict[int, dict[str, str]] = {}  # what peers reported per step (catchup.py)
 
     # ---- one round -----------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 4, ROUND_TICKET at 2, STATE_META at 1).
+"""The concrete wire messages of dilocod (STATUS at version 5, ROUND_TICKET at 2, STATE_META at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +14,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=4,
+    version=5,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -45,6 +45,8 @@ STATUS = Schema(
         Field("compute_utilization", "float", optional=True, min=0, max=1),
         # v4: whether the sender's pseudo-gradients go through a relay or public reducer.
         Field("relayed", "bool", optional=True),
+        # v5: inner steps into the current round, so a peer that re-synced can join the round in step.
+        Field("round_steps", "int", optional=True, min=0),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -74,6 +76,9 @@ on data checked later (the round ticket, the state download's hash), never on th
 - compute_utilization (v3): time in inner steps ÷ wall time since the sender started training (0–1).
 - relayed (v4): true when the sender's pseudo-gradients reach the others through a relay or a public
   reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
+- round_steps (v5): inner steps the sender took since its θ_global last changed (its place in the
+  current round); a peer that just re-synced trains only the rest of the round, so it reaches the
+  next matchmaking with the others instead of one re-sync's duration late.
 """
 
 ROUND_TICKET = Schema(

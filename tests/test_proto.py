@@ -70,6 +70,7 @@ status_records = st.fixed_dictionaries(
         "bytes_received": st.none() | st.integers(0, INT64_MAX),
         "compute_utilization": st.none() | st.floats(0, 1),
         "relayed": st.none() | st.booleans(),
+        "round_steps": st.none() | st.integers(0, INT64_MAX),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -139,6 +140,7 @@ def example(schema: Schema) -> dict[str, Any]:
             "bytes_received": 0,
             "compute_utilization": 0.93,
             "relayed": False,
+            "round_steps": 40,
         }
     if schema is ROUND_TICKET:
         return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
@@ -510,7 +512,7 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 4, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 5, 4096)
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 2, 4096)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
@@ -526,7 +528,9 @@ def test_older_version_accepted_when_schema_grows() -> None:
 
 def test_status_v2_records_still_decode() -> None:
     """v3 added compute_utilization (optional): a v2 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k not in ("compute_utilization", "relayed")}
+    record = {
+        k: v for k, v in example(STATUS).items() if k not in ("compute_utilization", "relayed", "round_steps")
+    }
     decoded = decode(STATUS, raw_pack(STATUS, record, version=2))
     assert decoded["compute_utilization"] is None and decoded["peer_id"] == record["peer_id"]
     for bad in (-0.1, 1.5, float("nan")):
@@ -536,8 +540,18 @@ def test_status_v2_records_still_decode() -> None:
 
 def test_status_v3_records_still_decode() -> None:
     """v4 added relayed (optional): a v3 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k != "relayed"}
+    record = {k: v for k, v in example(STATUS).items() if k not in ("relayed", "round_steps")}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=3))
     assert decoded["relayed"] is None and decoded["compute_utilization"] == record["compute_utilization"]
     with pytest.raises(ProtoError, match="relayed"):
         decode(STATUS, raw_pack(STATUS, {**record, "relayed": 1}))
+
+
+def test_status_v4_records_still_decode() -> None:
+    """v5 added round_steps (optional): a v4 sender's record reads back with it as None."""
+    record = {k: v for k, v in example(STATUS).items() if k != "round_steps"}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=4))
+    assert decoded["round_steps"] is None and decoded["relayed"] == record["relayed"]
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ProtoError, match="round_steps"):
+            decode(STATUS, raw_pack(STATUS, {**record, "round_steps": bad}))

@@ -71,6 +71,14 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     final = s.wait_all_at(target, timeout=180)
     for step, found in round_hashes(final).items():
         assert len(found) == 1, f"after the restart, peers disagree at outer step {step}: {found}"
+    # The others went on without it, so it re-synced; joining their round in step, it averages with
+    # both again (not a re-sync late for every round after).
+    rejoined = wait_for(
+        "the restarted peer to average in a group of 3",
+        lambda: [e for e in leaver.status()["rounds"] if e["result"] == "ok" and e["group_size"] == 3],
+        120,
+    )
+    assert rejoined[0]["outer_step"] > before["outer_step"]
 
 
 def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[..., Swarm]) -> None:
