@@ -1,5 +1,3 @@
-import sys
+from dilocod.cli import entry
 
-from dilocod.cli import main
-
-sys.exit(main())
+entry()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from dilocod import DEFAULT_RUN_ID, __version__
 
@@ -148,6 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(e), EXIT_USAGE if str(e).startswith("bad multiaddr") else EXIT_NETWORK)
     except KeyboardInterrupt:
         return 130
+
+
+def entry() -> NoReturn:
+    """The `dilocod` command (and `python -m dilocod`): `main`, then exit without tearing the interpreter
+    down. By then the daemon has stopped its children and written its checkpoint; the teardown of torch,
+    hivemind and their objects only made every stop about 2 s slower (3 peers on 2 cores measured it)."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _fail(message: str, code: int) -> int:
