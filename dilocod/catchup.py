@@ -25,7 +25,7 @@ from dilocod.adversary import Adversary
 from dilocod.bans import BanList
 from dilocod.codecs import ErrorFeedback
 from dilocod.config import Config
-from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress
+from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress, rebase
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState
 from dilocod.trainer import InnerTrainer
@@ -216,15 +216,17 @@ class CatchUp:
     def _adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> float | None:
         """Adopt a donor's θ_global and momentum; returns ‖Δ‖ of the progress kept, or None if dropped."""
         keep = keeps_progress(self.cfg.outer, self.outer.step, step)
-        unsent = self.outer.pseudo_gradient(self.trainer.working_params_fp32()) if keep else None
+        local = self.trainer.working_params_fp32() if keep else None
+        old_global = [p.clone() for p in self.outer.params] if keep else None
         self.outer.load_state(step, tensors)
-        if unsent is None:
-            self.trainer.load_params(self.outer.params)
-        else:  # θ_local' = θ_global' − Δ: the next round sends this progress with what follows it
-            self.trainer.load_params([torch.sub(g, d) for g, d in zip(self.outer.params, unsent)])
         if self.feedback is not None:  # the residual belonged to the θ_global we just left
             self.feedback.reset()
-        return None if unsent is None else math.sqrt(sum(float(d.square().sum()) for d in unsent))
+        if local is None or old_global is None:
+            self.trainer.load_params(self.outer.params)
+            return None
+        # θ_local' = θ_global' − Δ: the next round sends this progress with what follows it
+        self.trainer.load_params(rebase(local, old_global, self.outer.params))
+        return math.sqrt(sum(float((g - t).square().sum()) for g, t in zip(old_global, local)))
 
     async def _other_peers(self) -> list[dict[str, Any]]:
         try:

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from dilocod import __version__
-from dilocod.aggregation.pipeline import make_part_reduce
 from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
+from dilocod.groupoptions import averaging_options
 from dilocod.trainer.model import PRESETS, Transformer
-from peers.group import AveragingOptions, GroupAverager
+from peers.group import GroupAverager
 from peers.node import Node
 from proto import encode_status, encode_ticket
 
@@ -45,27 +45,7 @@ class AuxReducer:
         shapes = parameter_shapes(cfg.model.preset)
         self.num_elements = sum(s.numel() for s in shapes)
         self.template = [torch.zeros(s) for s in shapes]
-        avg = cfg.averaging
-        options = AveragingOptions(
-            target_group_size=avg.group_size + 1,  # as the peers: the helper takes no trainer's seat
-            # Nor counts as one: a group of the helper and a single trainer is no round for that trainer
-            # (it retries the step), and private peers arriving a few seconds apart would each meet the
-            # helper alone, round after round. As leader, the helper waits for two trainers.
-            min_group_size=avg.min_group_size + 1,
-            min_matchmaking_time=avg.min_matchmaking_time,
-            matchmaking_timeout=avg.matchmaking_timeout,
-            allreduce_timeout=avg.allreduce_timeout,
-            request_timeout=avg.request_timeout,
-            adaptive_deadlines=avg.adaptive_deadlines,
-            deadline_factor=avg.deadline_factor,
-            min_allreduce_timeout=avg.min_allreduce_timeout,
-            bandwidth=cfg.net.bandwidth,
-            mode="aux",
-            # It reduces like every other reducer of the run: screened, robust (an honest peer would
-            # otherwise see its averages as implausible and ban it).
-            reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
-            codec=avg.wire_codec(),  # the run's codec: it decodes, reduces and re-encodes like every reducer
-        )
+        options = averaging_options(cfg, "aux")  # as the peers', but taking no trainer's seat
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         # Streaming DiLoCo: each round averages one fragment, split exactly as the peers split it.
         self.fragments = (

@@ -15,13 +15,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from dilocod.adversary import Adversary
-from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.bans import BanList
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
+from dilocod.groupoptions import averaging_options
 from dilocod.peerstate import PeerState
 from dilocod.runtime import install_stop_signals
-from peers.group import AveragingOptions, GroupAverager
+from peers.group import GroupAverager
 from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import Reachability, detect_reachability, free_tcp_port
 
@@ -97,24 +97,9 @@ class NetworkStart:
             client = replace(node_options, client_mode=True, auto_relay=False, trusted_relays=())
             self.node = Node(client)
             await loop.run_in_executor(None, self.node.start)
-        avg = self.cfg.averaging
-        options = AveragingOptions(
-            # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
-            target_group_size=avg.group_size + 1,
-            min_group_size=avg.min_group_size,
-            min_matchmaking_time=avg.min_matchmaking_time,
-            matchmaking_timeout=avg.matchmaking_timeout,
-            allreduce_timeout=avg.allreduce_timeout,
-            request_timeout=avg.request_timeout,
-            adaptive_deadlines=avg.adaptive_deadlines,
-            deadline_factor=avg.deadline_factor,
-            min_allreduce_timeout=avg.min_allreduce_timeout,
-            bandwidth=self.cfg.net.bandwidth,
-            mode="node" if reach.public or via_relay else "client",
-            reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
-            # `mean` is the undefended baseline: no receiver-side check either.
-            check_part=make_part_check(avg.screening_config()) if avg.reducer != "mean" else None,
-            codec=avg.wire_codec(),
+        options = averaging_options(
+            self.cfg,
+            "node" if reach.public or via_relay else "client",
             corrupt_reductions=self.adversary.corrupt_reductions,
         )
         self.group = GroupAverager(self.node, self.outer.params, options, self._current_state)

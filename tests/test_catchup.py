@@ -70,3 +70,54 @@ def test_phase_ignores_other_steps_and_old_senders_and_caps_the_age() -> None:
 def test_phase_leaves_at_least_one_step_and_is_never_negative() -> None:
     assert phase([status("p1", 5, 20, 0.0)]) == 19
     assert phase([status("p1", 5, 0, age=-30.0)]) == 0  # a clock ahead of ours
+
+
+def adopter(rebase_on_resync: bool) -> Any:
+    """A `CatchUp` with a real tiny trainer and outer optimizer, a few inner steps past θ_global."""
+    from dilocod.catchup import CatchUp
+    from dilocod.config import load_config
+    from dilocod.diloco import OuterOptimizer
+    from dilocod.trainer import InnerTrainer
+
+    cfg = load_config(
+        None,
+        [
+            "trainer.batch_size=2",
+            "trainer.seq_len=16",
+            "trainer.threads=1",
+            f"outer.rebase_on_resync={str(rebase_on_resync).lower()}",
+        ],
+    )
+    keeper: Any = object.__new__(CatchUp)
+    keeper.cfg, keeper.feedback = cfg, None
+    keeper.trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=0, peer_key="catchup")
+    keeper.outer = OuterOptimizer(keeper.trainer.working_params_fp32(), cfg.outer)
+    keeper.trainer.train_steps(2)
+    return keeper
+
+
+def donor_state(keeper: Any) -> list[Any]:
+    return [p + 0.01 for p in keeper.outer.params] + [m.clone() for m in keeper.outer.momentum]
+
+
+def test_adopting_with_rebase_keeps_the_progress_not_yet_averaged() -> None:
+    import torch
+
+    keeper = adopter(rebase_on_resync=True)
+    old_global = [p.clone() for p in keeper.outer.params]
+    local = keeper.trainer.working_params_fp32()
+    kept = keeper._adopt_in_trainer(2, donor_state(keeper))
+    progress = [g - t for g, t in zip(old_global, local)]
+    assert kept is not None and abs(kept - float(torch.sqrt(sum(d.square().sum() for d in progress)))) < 1e-4
+    for now, new, d in zip(keeper.trainer.working_params_fp32(), keeper.outer.params, progress):
+        assert torch.allclose(now, new - d, atol=1e-6)
+    assert keeper.outer.step == 2
+
+
+def test_adopting_without_rebase_restarts_from_the_new_global() -> None:
+    import torch
+
+    keeper = adopter(rebase_on_resync=False)
+    assert keeper._adopt_in_trainer(1, donor_state(keeper)) is None
+    for now, new in zip(keeper.trainer.working_params_fp32(), keeper.outer.params):
+        assert torch.equal(now, new)

@@ -1,0 +1,39 @@
+"""The `[averaging]` section as the options of a `peers.group.GroupAverager`: one place for peers and
+auxiliary reducers (bootstrap, helper), which must match in everything but their seat."""
+
+from __future__ import annotations
+
+from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
+from dilocod.config import Config
+from peers.group import AveragingOptions
+
+
+def averaging_options(cfg: Config, mode: str, *, corrupt_reductions: bool = False) -> AveragingOptions:
+    """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`."""
+    avg = cfg.averaging
+    aux = mode == "aux"
+    return AveragingOptions(
+        # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
+        target_group_size=avg.group_size + 1,
+        # An auxiliary reducer does not count as a trainer: a group of it and a single trainer is no round
+        # for that trainer (it retries the step), and private peers arriving a few seconds apart would each
+        # meet it alone, round after round. As leader, it waits for two trainers.
+        min_group_size=avg.min_group_size + 1 if aux else avg.min_group_size,
+        min_matchmaking_time=avg.min_matchmaking_time,
+        matchmaking_timeout=avg.matchmaking_timeout,
+        allreduce_timeout=avg.allreduce_timeout,
+        request_timeout=avg.request_timeout,
+        adaptive_deadlines=avg.adaptive_deadlines,
+        deadline_factor=avg.deadline_factor,
+        min_allreduce_timeout=avg.min_allreduce_timeout,
+        bandwidth=cfg.net.bandwidth,
+        mode=mode,
+        # Every reducer of the run reduces alike, screened and robust (an honest peer would otherwise see an
+        # auxiliary reducer's averages as implausible and ban it).
+        reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
+        # A trainer checks the averages it receives; `mean` is the undefended baseline, with no check either.
+        check_part=None if aux or avg.reducer == "mean" else make_part_check(avg.screening_config()),
+        # The run's codec: every reducer decodes, reduces and re-encodes alike.
+        codec=avg.wire_codec(),
+        corrupt_reductions=corrupt_reductions,
+    )
