@@ -56,6 +56,7 @@ class CatchUp:
     adversary: Adversary
     feedback: ErrorFeedback | None
     _seen_hashes: dict[int, dict[str, str]]  # outer step → peer id → the θ hash it reported there
+    _others_seen_at: float  # monotonic time we last read another peer's record (-inf: never)
 
     if TYPE_CHECKING:  # defined by RoundKeeper
 
@@ -236,6 +237,8 @@ class CatchUp:
             return []
         others = [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
         remember_hashes(self._seen_hashes, others)
+        if others:
+            self._others_seen_at = time.monotonic()
         return others
 
 

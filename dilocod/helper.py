@@ -55,6 +55,9 @@ class AuxReducer:
         )
         self.rounds_reduced = 0
         self.last_step = -1
+        self.reduced_at = 0.0  # monotonic time of the last round reduced for ≥ 2 trainers
+        # How long peers' records may still show a step after its round ended (published every interval).
+        self.record_lag = max(10.0, 3 * cfg.net.status_interval)
         self.bytes_sent = self.bytes_received = 0  # tensor payload bytes of every round it reduced in
 
     def start(self) -> None:
@@ -84,7 +87,7 @@ class AuxReducer:
                     # step), so we stay at that step too; moving on would leave private peers with no
                     # reducer at the step they retry, for ever.
                     if outcome.contributors > 1:
-                        self.last_step = step
+                        self.last_step, self.reduced_at = step, time.monotonic()
                     log.info("reduced round %d for a group of %d", step, outcome.group_size)
             except TimeoutError:
                 continue
@@ -94,13 +97,18 @@ class AuxReducer:
                 log.warning("aux reducer round failed: %r", e)
                 await asyncio.sleep(IDLE_SECONDS)
 
-    def _target(self, records: list[dict[str, Any]]) -> int | None:
-        """The outer step most live peers are at, or the next one after the round we just reduced."""
+    def _target(self, records: list[dict[str, Any]], now: float | None = None) -> int | None:
+        """The outer step most live peers are at, or the next one after the round we just reduced: their
+        records lag a round that just ended. Once that lag is over, where they are wins even if it is a step
+        we reduced already: peers that stepped back (dilocod/stepback.py) retry it, and need a reducer."""
         steps = Counter(r["outer_step"] for r in records if r["role"] == "peer")
         if not steps:
             return None
         common = steps.most_common(1)[0][0]
-        return max(common, self.last_step + 1) if self.last_step >= 0 else common
+        if self.last_step < 0 or common > self.last_step:
+            return common
+        now = time.monotonic() if now is None else now
+        return self.last_step + 1 if now - self.reduced_at < self.record_lag else common
 
     def _fragment(self, step: int) -> list[int] | None:
         return None if self.fragments is None else self.fragments[fragment_of(step, len(self.fragments))]

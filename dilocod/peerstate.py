@@ -16,7 +16,7 @@ HISTORY = 100  # rounds kept for the status API and dashboard
 @dataclass
 class RoundRecord:
     outer_step: int  # the outer step this round produced (or would have)
-    result: str  # ok | alone | no_group | failed | resynced | diverged
+    result: str  # ok | alone | no_group | failed | resynced | diverged | undone (stepped back) | stepped_back
     group_size: int
     seconds: float
     global_sha256: str

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState, RoundRecord
+from dilocod.stepback import Previous, StepBack
 from dilocod.trainer import InnerTrainer, StepStats
 from peers.group import GroupAverager, RoundOutcome
 from proto import encode_ticket
@@ -46,8 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dilocod.rounds")
 
+# Matchmaking timeouts without seeing any other peer before a peer that saw some applies alone.
+ALONE_AFTER_TIMEOUTS = 4
 
-class RoundKeeper(CatchUp):
+
+class RoundKeeper(CatchUp, StepBack):
     def __init__(
         self,
         cfg: Config,
@@ -77,12 +83,20 @@ class RoundKeeper(CatchUp):
         self._start: list[torch.Tensor] | None = None
         self._carry: list[torch.Tensor] | None = None
         self._seen_hashes: dict[int, dict[str, str]] = {}  # what peers reported per step (catchup.py)
+        self._previous: Previous | None = None  # θ_global before our last outer step (stepback.py)
+        self._others_seen_at = -math.inf
+        self._stranded = 0
 
     # ---- one round -----------------------------------------------------------------------------------
     @property
     def sync_every(self) -> int:
         """Inner steps between two calls of `sync`: H (a fraction of it with streaming)."""
         return self.cfg.trainer.inner_steps
+
+    @property
+    def serves_no_state(self) -> bool:
+        """A client (behind NAT, no relay): nobody can download θ_global from us."""
+        return self.group.options.mode == "client"
 
     @property
     def checkpoint_due(self) -> bool:
@@ -129,6 +143,8 @@ class RoundKeeper(CatchUp):
         await self._judge(outcome)
         self.state.last_round_seconds = outcome.seconds
         self.metrics.round_seconds.observe(outcome.seconds)
+        if outcome.found_group:
+            self._stranded = 0
         if outcome.averaged is not None and outcome.contributors > 1:
             # group_size counts the trainers that averaged; auxiliary reducers are not part of it.
             await self._apply(outcome.averaged, "ok", outcome.contributors, outcome.seconds, sent=delta)
@@ -262,12 +278,25 @@ class RoundKeeper(CatchUp):
             self._count_failure("no_group", 0, seconds)
             return await self._catch_up_or_retry()
         if others:
+            self._count_failure("no_group", 0, seconds)
+            if await self._maybe_step_back(others):  # they can only meet us at the step they are at
+                return "adopted"
             # Others exist at our step but did not meet us in time: keep our progress, retry in H steps.
             log.info(
                 "no group at outer step %d; %d peers known, retrying after the next round",
                 self.outer.step,
                 len(others),
             )
+            self.state.round_steps = 0
+            return "kept"
+        unseen = time.monotonic() - self._others_seen_at
+        if unseen < ALONE_AFTER_TIMEOUTS * self.cfg.averaging.matchmaking_timeout:
+            # We saw peers a moment ago: more likely our link or the DHT hiccups than the whole run left.
+            # Applying alone now would fork the run from them; keep our progress and look again.
+            log.warning(
+                "no group and no peer visible at outer step %d (one seen %.0fs ago): keeping our progress",
+                self.outer.step, unseen,
+            )  # fmt: skip
             self._count_failure("no_group", 0, seconds)
             self.state.round_steps = 0
             return "kept"
@@ -313,6 +342,7 @@ class RoundKeeper(CatchUp):
         await self.daemon.publish_status()
 
     def _apply_in_trainer(self, averaged: list[torch.Tensor], sent: list[torch.Tensor] | None) -> None:
+        self._keep_previous()
         self.outer.apply(averaged)
         if self._carry is None:
             self.trainer.load_params(self.outer.params)  # the working copy restarts from θ_global

@@ -624,12 +624,20 @@ class NetBed:
     # public API: shaping
 
     def shape(
-        self, host: str, *, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0
+        self,
+        host: str,
+        *,
+        rate_mbit: float | None = None,
+        delay_ms: float = 0.0,
+        loss: float = 0.0,
+        download_only: bool = False,
     ) -> None:
-        """(Re)shape a host's access link at any time; all-defaults removes shaping."""
-        self._apply_shape(self._node(host, kinds=("public", "nat")), Shape(rate_mbit, delay_ms, loss))
+        """(Re)shape a host's access link at any time; all-defaults removes shaping. `download_only` limits
+        the rate towards the host only (a link that uploads fine but whose downloads starve)."""
+        node = self._node(host, kinds=("public", "nat"))
+        self._apply_shape(node, Shape(rate_mbit, delay_ms, loss), download_only=download_only)
 
-    def _apply_shape(self, node: Node, shape: Shape) -> None:
+    def _apply_shape(self, node: Node, shape: Shape, *, download_only: bool = False) -> None:
         assert node.up and node.down and node.delay_ns
         _iptables(node.delay_ns, "-t", "mangle", "-F", SHAPE_CHAIN)  # unhook first: no packet is lost
         self._stop_delay_line(node)
@@ -641,7 +649,7 @@ class NetBed:
             # A router-like buffer of QUEUE_MS at the link rate, in bytes: a packet-count limit would let
             # 64 KB GSO packets pile up seconds of queue. Never below a few GSO packets, or none fits.
             limit = max(round(kbit * 1000 / 8 * QUEUE_MS / 1000), 192 * 1024)
-            for ns, dev in (node.up, node.down):
+            for ns, dev in (node.down,) if download_only else (node.up, node.down):
                 batch = (
                     f"qdisc add dev {dev} root handle 1: htb default 1\n"
                     f"class add dev {dev} parent 1: classid 1:1 htb rate {kbit}kbit ceil {kbit}kbit quantum 1514\n"

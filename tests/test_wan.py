@@ -8,6 +8,7 @@ Needs root (skips without it; fails under CI=true).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,11 @@ pytestmark = pytest.mark.integration
 # Two NAT hosts, two peers: the smallest run where traffic has to cross the public bootstrap.
 NAT_HOSTS = ("natA", "natB")
 RATE_MBIT = 20.0  # the slow link: with 40 ms each way at the NAT, 80 ms RTT to the bootstrap
+# A download that starves: the tiny preset's averaged Δ (4 MB) takes 13 s, past the all-reduce deadline
+# that loopback-fast rounds have brought down to its 5 s floor, while the queue (192 KB, 0.6 s) still
+# lets DHT requests and the upload's acks through. (At 1 Mbit/s the starved peer's DHT view broke for
+# minutes after the link came back.)
+STARVED_MBIT = 2.5
 
 
 def joint_rounds(statuses: list[dict[str, Any]]) -> dict[int, str]:
@@ -107,3 +113,36 @@ def test_slow_links_rounds_still_complete(netbed: NetBed, wan: Callable[..., Net
                 payload = max(entry["bytes_sent"], entry["bytes_received"])
                 assert payload > 0 and entry["seconds"] >= payload * 8 / (RATE_MBIT * 1e6), entry
     assert netbed.guard_violations() == 0, netbed.guard_report()
+
+
+def test_a_round_only_one_private_peer_applied_is_stepped_back(
+    netbed: NetBed, wan: Callable[..., NetSwarm]
+) -> None:
+    """natB's downloads starve for a round: its parts reach the reducing bootstrap, so natA's round
+    completes, but natB's results come too late and its round fails. Neither can serve the other its
+    state (both private), so natA, stranded one step ahead, steps back, and the two average together again."""
+    for host in NAT_HOSTS:
+        netbed.add_nat(host)
+    s = wan()
+    start_nat_run(s)
+    wait_joint_rounds(s, 2, timeout=180)
+    ahead, starved = s.peers
+    netbed.shape("natB", rate_mbit=STARVED_MBIT, download_only=True)
+    shaped_at = time.time()
+
+    def split() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        # natB's round ends without a new θ_global ("failed", or "no_group" when hivemind retried it)
+        a, b = ahead.status(), starved.status()
+        lost = any(e["result"] != "ok" and e["time"] > shaped_at for e in b["rounds"])
+        return (a, b) if lost and a["outer_step"] > b["outer_step"] else None
+
+    a_then, b_then = wait_for("natB's round to fail while natA's completes", split, 120, s.poll_interval)
+    netbed.shape("natB")
+    split_step = b_then["outer_step"]
+    log = ahead.run_dir / "dilocod.log"  # type: ignore[operator]
+    wait_for("natA to step back", lambda: "stepping back to outer step" in log.read_text(), 120)
+    statuses = wait_joint_rounds(s, len(joint_rounds([ahead.status(), starved.status()])) + 2, timeout=180)
+    together = [step for step in joint_rounds(statuses) if step > split_step]
+    assert together, (split_step, joint_rounds(statuses))
+    results = [e["result"] for e in statuses[0]["rounds"]]
+    assert "undone" in results and "stepped_back" in results, results
