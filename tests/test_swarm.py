@@ -141,8 +141,12 @@ def test_int2_compression_with_error_feedback_and_muon(swarm: Callable[..., Swar
     assert sent and all(0 < b < 0.3 * params for b in sent), (sent, params)
     assert all(0 < st["compute_utilization"] <= 1 for st in statuses)
 
-    # The residual is local state that survives a restart (it is in the checkpoint).
+    # The residual is local state that survives a restart (it is in the checkpoint). A re-sync resets it
+    # (it belonged to the θ_global left behind): stop the peer right after a round it applied.
     leaver = s.peers[1]
+    wait_for(
+        "a round applied by the leaver", lambda: leaver.status()["rounds"][-1]["result"] == "ok", 60, 0.1
+    )
     leaver.signal(signal.SIGTERM)
     assert leaver.wait(timeout=30) == 0
     assert leaver.run_dir is not None
