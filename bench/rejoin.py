@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    # A SIGTERM (`timeout`, Ctrl-C from a wrapper) must still reap the swarm: exit through `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     with tempfile.TemporaryDirectory(prefix="dilocod-rejoin-") as tmp:
         for k in range(args.repeats):
