@@ -204,6 +204,8 @@ class CatchUp:
         """Where the peers at our new outer step are in their round. Training all H steps after a re-sync
         would bring us to the next matchmaking a whole re-sync late, after the group formed without us,
         and so on every round; training only the rest of the round brings us there with them."""
+        if not self.cfg.outer.join_in_phase:
+            return 0
         others = await self._other_peers()
         return run_phase(
             others,

@@ -42,6 +42,10 @@ class OuterConfig:
     # rebased onto the new θ_global, and sends it in its next round. Off by default: side by side it made
     # no difference beyond the benchmark's noise (docs/benchmarks.md), so dropping stays the default
     rebase_on_resync: bool = False
+    # true: after a re-sync, train only the rest of the round the run's peers are in (their records'
+    # round_steps) instead of a whole round. Off by default: in bench/rejoin.py it made no difference, and
+    # its shorter first round is averaged with full weight, diluting that round (docs/architecture.md)
+    join_in_phase: bool = False
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
