@@ -160,7 +160,7 @@ class RoundKeeper(CatchUp, StepBack):
         if outcome.found_group:
             log.warning(
                 "round %d failed (%s); checking whether the run moved on",
-                self.outer.step, outcome.error or "incomplete: a member or reducer vanished mid-round",
+                self.outer.step, outcome.error or incomplete_reason(outcome.reducer_errors),
             )  # fmt: skip
             self._count_failure("failed", outcome.group_size, outcome.seconds)
             return await self._catch_up_or_retry()
@@ -392,3 +392,10 @@ def make_round_keeper(cfg: Config, *args: Any, **kwargs: Any) -> RoundKeeper:
 
         return StreamingKeeper(cfg, *args, **kwargs)
     return RoundKeeper(cfg, *args, **kwargs)
+
+
+def incomplete_reason(reducer_errors: tuple[str, ...]) -> str:
+    """Why a round that formed a group gave no result: the reducers whose averages did not all arrive."""
+    if not reducer_errors:
+        return "incomplete: a member or reducer vanished mid-round"
+    return "incomplete: " + "; ".join(reducer_errors)

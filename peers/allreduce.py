@@ -178,6 +178,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.check_part = check_part
         self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
         self.rejected_reducers: set[PeerID] = set()
+        # Why a reducer's averages never (all) arrived, by reducer: hivemind only logs this at debug level,
+        # and "incomplete" alone does not tell a dead peer from a refused stream.
+        self.reducer_errors: dict[PeerID, str] = {}
         # Tensor payload bytes on the wire this round (serialized parts and averages, both directions):
         # what the messages' tensor buffers actually held, encoded or not.
         self.bytes_sent = 0
@@ -280,7 +283,11 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
-            await super()._communicate_with_peer(peer_id)  # remote reducers already send averages
+            try:
+                await super()._communicate_with_peer(peer_id)  # remote reducers already send averages
+            except Exception as e:  # the reducer is already marked failed; keep the reason for the outcome
+                self.reducer_errors[peer_id] = short_reason(e)
+                raise
             return
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
@@ -333,6 +340,12 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 _BAD = torch.full((1,), float("nan"))
+
+
+def short_reason(error: BaseException, limit: int = 160) -> str:
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    text = " ".join(text.split())  # one log line, whatever the exception's message holds
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _deserialize_or_none(message: runtime_pb2.Tensor) -> torch.Tensor | None:

@@ -222,6 +222,9 @@ class RunAverager(StateDonors):
                 screened=runner.screened_parts,
                 faulty=sorted(peer.to_base58() for peer in runner.faulty_senders),
                 rejected_reducers=sorted(peer.to_base58() for peer in runner.rejected_reducers),
+                reducer_errors=sorted(
+                    f"{peer.to_base58()}: {why}" for peer, why in runner.reducer_errors.items()
+                ),
                 bytes_sent=runner.bytes_sent,
                 bytes_received=runner.bytes_received,
                 allreduce_seconds=time.monotonic() - started,

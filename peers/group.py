@@ -57,6 +57,7 @@ class RoundOutcome:
     error: str | None = None
     faulty: tuple[str, ...] = ()  # senders whose contribution our reducer dropped
     rejected_reducers: tuple[str, ...] = ()  # reducers whose average we refused
+    reducer_errors: tuple[str, ...] = ()  # "peer: reason" for each reducer whose averages did not all arrive
     members: tuple[str, ...] = ()
     bytes_sent: int = 0  # tensor payload bytes this round, both directions of the all-reduce
     bytes_received: int = 0
@@ -228,6 +229,7 @@ class GroupAverager:
             seconds=seconds,
             faulty=tuple(result.get("faulty", ())),
             rejected_reducers=tuple(result.get("rejected_reducers", ())),
+            reducer_errors=tuple(result.get("reducer_errors", ())),
             members=tuple(result["peers"]),
             bytes_sent=int(result.get("bytes_sent", 0)),
             bytes_received=int(result.get("bytes_received", 0)),
