@@ -1,6 +1,6 @@
 """How fast a peer that fell behind gets back into the run's groups.
 
-    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--set k=v ...]
+    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--set k=v ...] [--keep DIR]
 
 A bootstrap and `--peers` real peers on loopback (tiny preset, the test harness's fast settings: H = 5,
 a 1.5 s matchmaking window). Once all are at outer step 3, the last peer is frozen (SIGSTOP) for
@@ -77,13 +77,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--keep", type=Path, default=None, help="keep each run's directory (logs) under this one")
     args = parser.parse_args()
     # A SIGTERM (`timeout`, Ctrl-C from a wrapper) must still reap the swarm: exit through `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     with tempfile.TemporaryDirectory(prefix="dilocod-rejoin-") as tmp:
         for k in range(args.repeats):
-            row = one_run(Path(tmp) / f"run-{k}", args)
+            row = one_run((args.keep or Path(tmp)) / f"run-{k}", args)
             rows.append(row)
             print(
                 f"run {k + 1}: first full round {row['seconds_to_full_round']:.1f}s after the thaw; "
