@@ -15,10 +15,9 @@ def averaging_options(cfg: Config, mode: str, *, corrupt_reductions: bool = Fals
     return AveragingOptions(
         # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
         target_group_size=avg.group_size + 1,
-        # An auxiliary reducer does not count as a trainer: a group of it and a single trainer is no round
-        # for that trainer (it retries the step), and private peers arriving a few seconds apart would each
-        # meet it alone, round after round. As leader, it waits for two trainers.
-        min_group_size=avg.min_group_size + 1 if aux else avg.min_group_size,
+        # Counted in trainers: matchmaking adds one for each auxiliary reducer in the forming group
+        # (peers/averager.py, BanAwareMatchmaking), whichever member leads it.
+        min_group_size=avg.min_group_size,
         min_matchmaking_time=avg.min_matchmaking_time,
         matchmaking_timeout=avg.matchmaking_timeout,
         allreduce_timeout=avg.allreduce_timeout,

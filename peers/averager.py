@@ -82,10 +82,30 @@ def round_group_bits(
 
 
 class BanAwareMatchmaking(Matchmaking):
-    """Matchmaking that neither accepts followers nor follows leaders this peer has banned."""
+    """Matchmaking that neither accepts followers nor follows leaders this peer has banned, and that
+    counts only trainers towards the smallest group it starts."""
 
     banned: frozenset[PeerID] = frozenset()
     auth: RunAuth | None = None  # the run key: set in the averager process (RunAverager.run)
+    auxiliary: bool = False  # this averager only reduces (set in RunAverager.run)
+
+    # hivemind starts a group as soon as `len(followers) + 1 >= min_group_size` when its search window
+    # ends. Counting an auxiliary reducer there let one trainer and the bootstrap form a group that averages
+    # nothing: the first trainer to reach matchmaking took the bootstrap and left, and one arriving a
+    # second later met nobody. At H = 40 on loopback that split 3 peers into pairs round after round
+    # (bench/rejoin.py). So every auxiliary reducer in the forming group raises the bar by one.
+    @property
+    def min_group_size(self) -> int:
+        return self._min_trainers + self._auxiliaries_here()
+
+    @min_group_size.setter
+    def min_group_size(self, value: int) -> None:
+        self._min_trainers = value
+
+    def _auxiliaries_here(self) -> int:
+        """Auxiliary reducers in the group this peer leads now: itself and followers that say they are one."""
+        followers = getattr(self, "current_followers", {})  # hivemind sets min_group_size before it
+        return int(self.auxiliary) + sum(_gathers_aux(request.gather) for request in followers.values())
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -138,6 +158,7 @@ class RunAverager(StateDonors):
         # Runs in the averager process: hivemind builds its Matchmaking by this module-level name.
         averager_module.Matchmaking = BanAwareMatchmaking  # type: ignore[misc]
         BanAwareMatchmaking.auth = self._auth
+        BanAwareMatchmaking.auxiliary = self.mode == AveragingMode.AUX
         super().run()
 
     def step(self, gather: Any = None, **kwargs: Any) -> Any:
@@ -275,6 +296,14 @@ class RunAverager(StateDonors):
             async for tensor, averaged in azip(as_aiter(*tensors), as_aiter(*results)):
                 tensor.copy_(averaged)
         return runner
+
+
+def _gathers_aux(blob: bytes) -> bool:
+    """Whether a join request's gathered data says its sender is an auxiliary reducer (malformed: no)."""
+    try:
+        return bool(MSGPackSerializer.loads(blob)[1] == AveragingMode.AUX.value)
+    except Exception:
+        return False
 
 
 async def _keep_group_key(_group_info: GroupInfo) -> None:
