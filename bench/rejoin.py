@@ -77,7 +77,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--keep", type=Path, default=None, help="keep each run's directory (logs) under this one")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep each run's directory (logs) under this one"
+    )
     args = parser.parse_args()
     # A SIGTERM (`timeout`, Ctrl-C from a wrapper) must still reap the swarm: exit through `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

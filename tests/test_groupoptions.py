@@ -12,7 +12,9 @@ def test_aux_reducers_match_the_peers_except_for_their_seat_and_checks() -> None
     )
     peer, aux = averaging_options(cfg, "node"), averaging_options(cfg, "aux")
     assert peer.target_group_size == aux.target_group_size == 5  # one seat for an auxiliary reducer
-    assert peer.min_group_size == aux.min_group_size == 2  # in trainers: matchmaking adds a seat per aux reducer
+    assert (
+        peer.min_group_size == aux.min_group_size == 2
+    )  # in trainers: matchmaking adds a seat per aux reducer
     assert peer.check_part is not None and aux.check_part is None  # an aux reducer receives no averages
     assert peer.reduce_part is not None and aux.reduce_part is not None
     assert peer.codec is not None and aux.codec is not None and peer.codec.name == aux.codec.name
