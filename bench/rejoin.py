@@ -1,11 +1,12 @@
 """How fast a peer that fell behind gets back into the run's groups.
 
-    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--set k=v ...] [--keep DIR]
+    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--slow SHARE] [--set k=v ...] [--keep DIR]
 
 A bootstrap and `--peers` real peers on loopback (tiny preset, the test harness's fast settings: H = 5,
 a 1.5 s matchmaking window). Once all are at outer step 3, the last peer is frozen (SIGSTOP) for
-`--pause` seconds, as a machine that stalls, then thawed: it finds the run ahead and re-syncs. From the
-thaw on, for `--after` outer steps of the run, the bench counts the stalled peer's re-syncs and its
+`--pause` seconds, as a machine that stalls, then thawed: it finds the run ahead and re-syncs. With
+`--slow SHARE` it is instead throttled for good, as a slower machine: its process runs only SHARE of
+every 0.2 s (`tests.harness.Proc.throttle`). From the thaw (or the throttle) on, for `--after` outer steps of the run, the bench counts the stalled peer's re-syncs and its
 rounds in a full group (every peer averaging together), and how long it took to its first full round.
 The figures come from the peers' own `/api/status` round history. Run it from two checkouts to compare
 two versions side by side (docs/benchmarks.md has the commands and results).
@@ -35,9 +36,12 @@ def one_run(root: Path, args: argparse.Namespace) -> dict[str, float]:
             s.add_peer()
         s.wait_all_at(3, timeout=180)
         stalled = s.peers[-1]
-        stalled.signal(signal.SIGSTOP)
-        time.sleep(args.pause)
-        stalled.signal(signal.SIGCONT)
+        if args.slow:  # a slower machine from here on, rather than one stall
+            stalled.throttle(args.slow)
+        else:
+            stalled.signal(signal.SIGSTOP)
+            time.sleep(args.pause)
+            stalled.signal(signal.SIGCONT)
         thawed = time.monotonic()
         start_step = max(p.status()["outer_step"] for p in s.peers[:-1])
         full = wait_for(
@@ -76,6 +80,10 @@ def main() -> None:
         "--after", type=int, default=12, help="outer steps of the run measured after the thaw"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--slow", type=float, default=None, metavar="SHARE",
+        help="instead of the pause: run the last peer's trainer only this share of the time from then on",
+    )  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--keep", type=Path, default=None, help="keep each run's directory (logs) under this one"

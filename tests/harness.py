@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -104,6 +105,38 @@ class Proc:
     # processes in network namespaces, whose loopback only a process inside can reach.
     spawn: Spawn = spawn_local
     fetch: Callable[[str], Any] = get_json
+    _throttled: threading.Event | None = None  # set: the throttle thread stops and leaves it running
+
+    def throttle(self, share: float, period: float = 0.2) -> None:
+        """Run the daemon's main process (its trainer) only `share` of the time, as a slower machine: it is
+        stopped for the rest of every `period` (its averager process and p2pd run on, as a network would)."""
+        assert self.popen is not None and 0 < share < 1
+        stop = self._throttled = threading.Event()
+        pid = self.popen.pid
+
+        def duty_cycle() -> None:
+            try:
+                while not stop.is_set():
+                    os.kill(pid, signal.SIGSTOP)
+                    stop.wait((1 - share) * period)
+                    os.kill(pid, signal.SIGCONT)
+                    stop.wait(share * period)
+            except ProcessLookupError:
+                return
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        threading.Thread(target=duty_cycle, name=f"throttle-{self.name}", daemon=True).start()
+
+    def unthrottle(self) -> None:
+        if self._throttled is not None:
+            self._throttled.set()
+            self._throttled = None
+            time.sleep(0.05)  # the thread's last SIGCONT
+            if self.popen is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.popen.pid, signal.SIGCONT)
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +261,8 @@ class Swarm:
 
     def close(self) -> None:
         procs = [*self.peers, *([self.bootstrap] if self.bootstrap else [])]
+        for proc in procs:
+            proc.unthrottle()  # a stopped process would not act on SIGTERM
         for proc in procs:
             if proc.alive:
                 proc.signal(signal.SIGTERM)
