@@ -217,11 +217,6 @@ class PeerDaemon(NetworkStart):
                 break
             if self.state.round_steps < H:
                 continue
-            extra = await self.rounds.extra_steps_to_meet()
-            if extra:  # a peer at our step is about to finish its round: train on and meet it
-                stats = stats.then(await self.train(extra))
-                if self.stopping.is_set():
-                    break
             await self._until_stopped(self.rounds.sync(stats), grace=STOP_GRACE_SECONDS)
             if not self.stopping.is_set() and self.rounds.checkpoint_due:
                 await self.checkpoint()

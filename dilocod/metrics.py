@@ -50,11 +50,6 @@ class Metrics:
         self.group_size = Gauge("dilocod_group_size", "Members of the last averaging group", registry=r)
         self.rounds = Counter("dilocod_rounds", "Outer rounds by result", ["result"], registry=r)
         self.resyncs = Counter("dilocod_resyncs", "State downloads that replaced θ_global", registry=r)
-        self.round_extensions = Counter(
-            "dilocod_round_extensions",
-            "Rounds trained past H to meet peers about to finish theirs (outer.late_peer_wait)",
-            registry=r,
-        )
         self.peers_known = Gauge("dilocod_peers_known", "Other live peers of this run", registry=r)
         self.invalid_records = Counter(
             "dilocod_invalid_records", "Malformed records from the DHT that were dropped", registry=r

@@ -138,8 +138,6 @@ def progress_line(state: PeerState, inner_steps: int, seconds_per_step: float | 
         parts.append("averaging now")
     elif state.phase == "syncing":
         parts.append("downloading θ_global")
-    elif state.round_steps >= inner_steps:  # past H: meeting a peer about to finish (outer.late_peer_wait)
-        parts.append("training on to meet a late peer")
     elif seconds_per_step is not None:
         parts.append(f"sync in ~{duration((inner_steps - state.round_steps) * seconds_per_step)}")
     else:

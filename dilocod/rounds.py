@@ -37,7 +37,6 @@ from dilocod.catchup import CatchUp
 from dilocod.codecs import CodecError, ErrorFeedback, roundtrip
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
-from dilocod.meeting import extra_steps_to_meet
 from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState, RoundRecord
 from dilocod.stepback import Previous, StepBack
@@ -240,32 +239,6 @@ class RoundKeeper(CatchUp, StepBack):
             await asyncio.get_running_loop().run_in_executor(
                 None, self.group.set_banned, self.bans.peer_ids()
             )
-
-    async def extra_steps_to_meet(self) -> int:
-        """Inner steps to train past H so that peers at our step about to finish their round meet us in
-        matchmaking (`dilocod/meeting.py`); 0 with overlap (its rounds do not wait for inner steps)."""
-        fraction = self.cfg.outer.late_peer_wait
-        if fraction <= 0 or self.cfg.outer.overlap != "none" or self.state.tokens_per_second <= 0:
-            return 0
-        tokens_per_step = self.trainer.tokens_per_step
-        extra, peers = extra_steps_to_meet(
-            await self._other_peers(),
-            self.outer.step,
-            now=time.time(),
-            sync_every=self.sync_every,
-            tokens_per_step=tokens_per_step,
-            my_steps_per_second=self.state.tokens_per_second / tokens_per_step,
-            wait_fraction=fraction,
-            window=self.cfg.averaging.min_matchmaking_time,
-            max_age=2 * self.cfg.net.status_interval + 1.0,
-        )
-        if extra:
-            log.info(
-                "%d peer%s at outer step %d about to finish the round: training %d more inner steps to meet them",
-                peers, "" if peers == 1 else "s", self.outer.step, extra,
-            )  # fmt: skip
-            self.metrics.round_extensions.inc()
-        return extra
 
     async def check_agreement(self) -> None:
         """After a round, peers publish their step and θ hash: re-sync if the run went on without us, or if

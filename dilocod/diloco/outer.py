@@ -46,11 +46,6 @@ class OuterConfig:
     # round_steps) instead of a whole round. Off by default: in bench/rejoin.py it made no difference, and
     # its shorter first round is averaged with full weight, diluting that round (docs/architecture.md)
     join_in_phase: bool = False
-    # After H inner steps, keep training while a peer at the same outer step is expected to finish its
-    # round within this fraction of a round, so that both reach matchmaking together (dilocod/meeting.py).
-    # A peer a little slower than the rest would otherwise miss every group and re-sync every round.
-    # 0 turns it off; only with overlap = none
-    late_peer_wait: float = 0.5
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -63,8 +58,6 @@ class OuterConfig:
             raise ValueError(f"outer.fragments must be >= 1, got {self.fragments}")
         if not 0 <= self.mix_alpha <= 1:
             raise ValueError(f"outer.mix_alpha must be in [0, 1], got {self.mix_alpha}")
-        if not (math.isfinite(self.late_peer_wait) and 0 <= self.late_peer_wait <= 1):
-            raise ValueError(f"outer.late_peer_wait must be in [0, 1], got {self.late_peer_wait}")
 
 
 def global_sha256(tensors: Sequence[torch.Tensor]) -> str:

@@ -51,13 +51,6 @@ class StepStats:
     tokens: int
     seconds: float
 
-    def then(self, more: StepStats) -> StepStats:
-        """These steps followed by `more`: one stretch of training."""
-        steps = self.steps + more.steps
-        losses = [(s.mean_loss, s.steps) for s in (self, more) if s.steps]
-        mean = sum(loss * n for loss, n in losses) / steps if steps else math.nan
-        return StepStats(steps, mean, self.tokens + more.tokens, self.seconds + more.seconds)
-
 
 def _to_cpu_copy(value: Any) -> Any:
     """Deep copy with every tensor cloned to CPU, so a saved state never aliases live buffers."""
