@@ -41,7 +41,7 @@ from dilocod.metrics import Metrics
 from dilocod.peerstate import PeerState, RoundRecord
 from dilocod.stepback import Previous, StepBack
 from dilocod.trainer import InnerTrainer, StepStats
-from peers.group import GroupAverager, RoundOutcome
+from peers.group import GroupAverager, RoundOutcome, incomplete_reason
 from proto import encode_ticket
 
 if TYPE_CHECKING:
@@ -392,10 +392,3 @@ def make_round_keeper(cfg: Config, *args: Any, **kwargs: Any) -> RoundKeeper:
 
         return StreamingKeeper(cfg, *args, **kwargs)
     return RoundKeeper(cfg, *args, **kwargs)
-
-
-def incomplete_reason(reducer_errors: tuple[str, ...]) -> str:
-    """Why a round that formed a group gave no result: the reducers whose averages did not all arrive."""
-    if not reducer_errors:
-        return "incomplete: a member or reducer vanished mid-round"
-    return "incomplete: " + "; ".join(reducer_errors)

@@ -63,6 +63,13 @@ class RoundOutcome:
     bytes_received: int = 0
 
 
+def incomplete_reason(reducer_errors: tuple[str, ...]) -> str:
+    """Why a round that formed a group gave no result: the reducers whose averages did not all arrive."""
+    if not reducer_errors:
+        return "incomplete: a member or reducer vanished mid-round"
+    return "incomplete: " + "; ".join(reducer_errors)
+
+
 @dataclass(frozen=True)
 class DownloadedState:
     donor: str

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hivemind.averaging.partition import AllreduceException
 
-from dilocod.rounds import incomplete_reason
 from peers.allreduce import short_reason
+from peers.group import incomplete_reason
 
 
 def test_incomplete_round_names_each_reducer_and_why() -> None:
