@@ -52,8 +52,47 @@ def sum_rows(x: torch.Tensor, scales: list[float] | None = None) -> torch.Tensor
     return acc
 
 
-def median_1d(values: torch.Tensor) -> float:
-    """Median of a non-empty 1-D tensor (the mean of the two middle values for an even count), in float64."""
-    s = torch.sort(values.to(torch.float64)).values
+def ordered_sum(values: list[float]) -> float:
+    """Σ values in list order in float64: the plain, fixed-order sum (from 3.12 Python's ``sum`` of floats
+    is compensated, so it would not match a row-by-row tensor sum)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def _median_positions(sorted_weights: list[float], half: float) -> tuple[int, int]:
+    """(lo, hi): the first positions whose cumulative weight is ≥ ``half`` and > ``half``.
+
+    ``sorted_weights`` are the weights of ascending values; the cumulative weight is summed in that order
+    in float64. Both positions are capped at the last one (rounding can leave the total a hair under
+    2·half)."""
+    lo = hi = 0
+    cumulative = 0.0
+    for g in sorted_weights:
+        cumulative += g
+        lo += int(cumulative < half)
+        hi += int(cumulative <= half)
+    last = len(sorted_weights) - 1
+    return min(lo, last), min(hi, last)
+
+
+def median_1d(values: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+    """Median of a non-empty 1-D tensor in float64: the mean of the two middle values for an even count.
+
+    With ``weights`` (≥ 0, one per value, not all 0) the weighted median of ``reducers``: normalise the
+    weights by their maximum, sort the values, lo = the first whose cumulative weight reaches W/2
+    (W = Σ weights in the given order), hi = the first that passes it; (lo + hi)/2. Equal weights become
+    exactly 1.0, so lo and hi are the two middle positions and the result is the unweighted one bit for
+    bit (unnormalised, k·c/2 need not be a cumulative sum of c's: their rounding differs)."""
+    s, order = torch.sort(values.to(torch.float64), stable=True)
     k = s.shape[0]
-    return float((s[(k - 1) // 2] + s[k // 2]).item() / 2)
+    if weights is None:
+        lo, hi = (k - 1) // 2, k // 2
+    else:
+        if weights.shape != values.shape:
+            raise ValueError(f"weights must have shape {tuple(values.shape)}, got {tuple(weights.shape)}")
+        w = weights.to(torch.float64)
+        w = w / w.max()
+        lo, hi = _median_positions(w[order].tolist(), ordered_sum(w.tolist()) / 2)
+    return float((s[lo] + s[hi]).item() / 2)

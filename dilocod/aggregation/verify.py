@@ -2,16 +2,20 @@
 
 The receiver knows its own copy ``own`` of the part and the averaged part ``avg`` it got back. Whatever an
 honest reducer does, the result is bounded by the inputs it reduced. Let N be the largest norm among the
-rows the reducer included. Then for every reducer in ``reducers``:
+rows the reducer included, ŵ_i their normalised weights and W = Σ ŵ_i. Then for every reducer in
+``reducers``, whatever the weights:
 
-- mean: ‖avg‖ ≤ N (triangle inequality);
-- median: at least half the values of a coordinate have |x_ij| ≥ |m_j|, so ‖m‖² ≤ (2/k)·Σ‖x_i‖² ≤ 2N²;
-- trimmed_mean (t cut per side): t_j² ≤ c·Σ_i x_ij² with c = min(1/(t+1), 1/(k−2t)) (t+1 values are at
-  least as far out; Jensen over the k−2t kept ones), and k·c ≤ 3k/(k+2) < 3, so ‖avg‖² < 3N²;
+- mean: a convex combination of the rows, so ‖avg‖ ≤ N;
+- median: at least half the weight of a coordinate lies on values with |x_ij| ≥ |m_j| (those ≤ lo if
+  m_j < 0, those ≥ hi otherwise), so ‖m‖² ≤ (2/W)·Σ ŵ_i‖x_i‖² ≤ 2N²;
+- trimmed_mean (T = t·W/k cut per side): for a_j ≥ 0 (a_j < 0 is the mirror image) the kept weight
+  W − 2T averages to a_j, so it holds Σ x² ≥ (W − 2T)·a_j² (Jensen), and the top T weight lies on values
+  ≥ the largest kept one ≥ a_j; so a_j² ≤ Σ_i ŵ_i·x_ij² / (W − T) and ‖a‖² ≤ N²·W/(W − T) = N²·k/(k − t)
+  < 2N² (t ≤ (k−1)/2);
 - centered_clip: every step is a convex combination of v and the inputs, starting from the median, so
   ‖avg‖ ≤ max(‖median‖, N) ≤ √2·N.
 
-So ‖avg‖ ≤ √3·N and ‖avg − own‖ ≤ ‖own‖ + √3·N. Screening at the reducer bounds N ≤ norm_ratio·M, where M
+So ‖avg‖ ≤ √2·N ≤ √3·N (the check keeps the factor √3 it shipped with) and ‖avg − own‖ ≤ ‖own‖ + √3·N. Screening at the reducer bounds N ≤ norm_ratio·M, where M
 is the median norm of the included rows; with fewer than half lying senders M is at most the largest honest
 norm of that part. ``average_bound`` turns this into the rule
 
@@ -38,7 +42,9 @@ import torch
 
 from dilocod.aggregation._det import vector_norm
 
-# the largest ‖honest reducer output‖ / N over all reducers (trimmed_mean's bound; see the docstring)
+# a bound on ‖honest reducer output‖ / N for every reducer. The docstring's arguments give √2; √3 is the
+# bound this check shipped with (an older, looser argument for trimmed_mean) and is kept: a slightly
+# looser check of garbage, never a false positive.
 REDUCER_NORM_FACTOR = math.sqrt(3.0)
 
 
