@@ -51,7 +51,7 @@ def _shapes(preset: str, floats: int | None) -> list[Any]:
 
     if floats:
         return [torch.Size([floats])]
-    from dilocod.helper import parameter_shapes
+    from dilocod.processes.helper import parameter_shapes
 
     return parameter_shapes(preset)
 
@@ -103,7 +103,14 @@ async def _peer_main(args: argparse.Namespace) -> None:
     while not go.exists():
         await asyncio.sleep(0.1)
     role = "helper" if mode == "aux" else "peer"
-    ticket = encode_ticket({"outer_step": 0, "global_sha256": "0" * 64, "num_params": size, "role": role})
+    claim = (
+        {"tokens": 1000, "tokens_per_second": 100.0, "train_seconds": 10.0}
+        if role == "peer"
+        else {"tokens": 0, "tokens_per_second": 0.0, "train_seconds": 0.0}
+    )
+    ticket = encode_ticket(
+        {"outer_step": 0, "global_sha256": "0" * 64, "num_params": size, "role": role, **claim}
+    )
     records = []
     for index in range(args.rounds + 1):  # round 0 warms connections up
         for attempt in range(3):

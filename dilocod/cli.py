@@ -130,13 +130,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":  # a quick HTTP client: it must not pay for importing torch and hivemind
-        from dilocod.statuscmd import run_status
+        from dilocod.observability.statuscmd import run_status
 
         return run_status(
             args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
         )
-    from dilocod.checkpoint import CheckpointError
     from dilocod.config import ConfigError
+    from dilocod.statesync.checkpoint import CheckpointError
     from dilocod.trainer import DataError
     from peers.errors import PeersError
 
@@ -187,8 +187,8 @@ def join_overrides(args: argparse.Namespace) -> list[str]:
 
 def _join(args: argparse.Namespace) -> int:
     from dilocod.config import load_config
-    from dilocod.daemon import PeerArgs, PeerDaemon
-    from dilocod.runtime import install_stop_signals, run_main, setup_logging
+    from dilocod.processes.peer import PeerArgs, PeerDaemon
+    from dilocod.processes.runtime import install_stop_signals, run_main, setup_logging
     from dilocod.trainer import LocalGroupError
     from peers.node import parse_multiaddr
 
@@ -215,9 +215,9 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from dilocod.bootstrap import BootstrapArgs, BootstrapDaemon
     from dilocod.config import load_config
-    from dilocod.runtime import install_stop_signals, run_main, setup_logging
+    from dilocod.processes.bootstrap import BootstrapArgs, BootstrapDaemon
+    from dilocod.processes.runtime import install_stop_signals, run_main, setup_logging
     from peers.node import parse_multiaddr
 
     for text in args.peers:
@@ -258,7 +258,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from dilocod.config import load_config
-    from dilocod.demo import DemoArgs, run_demo
+    from dilocod.processes.demo import DemoArgs, run_demo
 
     if args.peers < 1:
         return _fail(f"--peers must be at least 1, got {args.peers}", EXIT_USAGE)

@@ -20,6 +20,7 @@ from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
+from dilocod.rounds.clock import RoundConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
 from dilocod.trainer.settings import TrainerConfig
@@ -135,6 +136,7 @@ class AveragingConfig:
 
 ADVERSARY_MODES = (
     "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
+    "inflate_tokens",
 )  # fmt: skip
 
 
@@ -183,6 +185,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    round: RoundConfig = field(default_factory=RoundConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     net: NetConfig = field(default_factory=NetConfig)
@@ -199,18 +202,14 @@ class Config:
             self._validate_streaming()
 
     def _validate_streaming(self) -> None:
-        """Fragments are whole parameter tensors, and each takes its turn H / fragments steps apart."""
-        fragments, steps = self.outer.fragments, self.trainer.inner_steps
+        """Fragments are whole parameter tensors. (Each takes its turn in a round of the run's clock that
+        holds 1/fragments of the round's tokens, so H need not be a multiple of them.)"""
+        fragments = self.outer.fragments
         tensors = num_parameter_tensors(self.model.preset)
         if fragments > tensors:
             raise ValueError(
                 f"outer.fragments must be <= the {tensors} parameter tensors of preset "
                 f"'{self.model.preset}', got {fragments}"
-            )
-        if steps % fragments != 0:
-            raise ValueError(
-                f"trainer.inner_steps must be a multiple of outer.fragments with outer.overlap = streaming "
-                f"(one fragment syncs every inner_steps / fragments steps), got {steps} and {fragments}"
             )
 
 
@@ -337,6 +336,35 @@ def _coerce_union(value: Any, options: tuple[Any, ...], key: str) -> Any:
 
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+# The settings every trainer of a run must share: peers that differ in one of them cannot average together
+# (or would train another model). Their hash travels in status records, so a peer can tell when it is the
+# odd one out (rounds/reasons.py). Not here: machine-local keys (devices, threads, ports) and what token
+# weights make safe to differ (batch size, H, the inner optimizer: the run's clock follows the median
+# peer's H × batch × seq_len, and each contribution counts by its tokens).
+RUN_WIDE_SETTINGS = {
+    "run": ("id", "seed"),
+    "model": ("preset",),
+    "data": ("source", "text_field", "eval_fraction", "num_shards", "max_bytes"),
+    "round": ("tokens", "max_seconds"),
+    "outer": ("lr", "momentum", "nesterov", "overlap", "fragments", "mix_alpha"),
+    "averaging": ("compression", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",
+                  "screen_norm_ratio"),
+}  # fmt: skip
+
+
+def settings_hash(config: Config) -> str:
+    """16 hex digits of sha256 over the run-wide settings (`RUN_WIDE_SETTINGS`), canonically encoded."""
+    import hashlib
+    import json
+
+    chosen = {
+        section: {key: getattr(getattr(config, section), key) for key in keys}
+        for section, keys in RUN_WIDE_SETTINGS.items()
+    }
+    text = json.dumps(chosen, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:

@@ -5,8 +5,9 @@ point `mine + (average - mine)` is not `average`, so members would end a round w
 parameters and drift apart. Here every reducer returns the averaged part itself, serialized losslessly,
 and keeps exactly those values for its own share, so all members apply identical bytes.
 
-Weights are not taken from senders: the group agrees on them from the tickets gathered during
-matchmaking (see `averager.py`), so a sender can never make itself count for more than one.
+Weights are not taken from senders' messages: the group agrees on them from the tickets gathered during
+matchmaking (the tokens behind each contribution, capped: see `membership.py`), so a sender can never
+make itself count for more than its ticket allows.
 Each reducer also screens what it is sent: a part with the wrong shape or a non-finite value is dropped
 (weight 0 for that part) instead of poisoning the mean.
 
@@ -48,19 +49,20 @@ from peers.wirecodec import (
 )
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
-"""(stacked [n, d], weights [n] in {0, 1}) → (reduced [d], indices of senders found faulty)."""
+"""(stacked [n, d], weights [n] ≥ 0, the largest 1) → (reduced [d], indices of senders found faulty)."""
 PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
 """(averaged part received from a reducer, our own input for that part) → plausible?"""
 
 
 def weighted_mean(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The default reduction: the mean of the included rows, summed in sender order (deterministic)."""
+    """The default reduction: Σ w·x / Σ w over the included rows (w > 0), summed in sender order in float64
+    (deterministic; with equal weights of 1 exactly the plain mean)."""
     total = torch.zeros(stacked.shape[1], dtype=torch.float64)
     count = 0.0
     for row, weight in zip(stacked, weights.tolist()):
         if weight > 0:
-            total += row.to(torch.float64)
-            count += 1.0
+            total.add_(row.to(torch.float64), alpha=weight)
+            count += weight
     result = total / count if count > 0 else total
     return result.to(torch.float32), []
 

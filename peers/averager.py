@@ -5,8 +5,9 @@ host. What it adds:
 - each round is keyed by its outer step (the group key's bits), so only peers at the same step meet, and
   by the run's codec when it compresses, so peers that encode parts differently never meet;
 - members exchange tickets (`proto.ROUND_TICKET`) while matching; every member decides the same
-  weights from the same gathered tickets: 1 for members whose (step, θ hash) is the group majority,
-  0 for everyone else (they still take part, and learn that they must re-sync);
+  weights from the same gathered tickets: the (capped) tokens behind the contribution of members whose
+  (step, θ hash) is the group majority, 0 for everyone else (they still take part, and learn that they
+  must re-sync);
 - results are exact (see `allreduce.py`) and land in the shared tensors only when complete, so a
   failed round leaves the inputs intact;
 - state downloads are for the run's peers only (`statedonors.py`); who counts in a group is decided
@@ -34,7 +35,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
 from peers.auth import RunAuth
-from peers.membership import agree_weights, decode_gathered, gathered_proof, warn_once
+from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 
@@ -61,24 +62,50 @@ def share_by_bandwidth(total_size: int, bandwidths: Sequence[float | None]) -> t
     return tuple(int(n) for n in hagenbach_bishoff(total_size, scores))
 
 
+# Which wire protocol a round speaks: peers of another version never share a matchmaking key (a v2 peer's
+# ticket has no tokens; see proto.ROUND_TICKET), so they never meet rather than fail each other's rounds.
+ROUND_PROTOCOL = "dilocod.round.3"
+
+
 def round_group_bits(
     round_index: int, codec_name: str | None = None, subset: Sequence[int] | None = None
 ) -> str:
     """Group-key bits that put only peers at the same outer step into the same matchmaking bucket.
 
-    With a codec, 16 more bits from a hash of its name: peers whose parts would not decode for each
-    other look for groups under different keys. With a subset of the tensors (one fragment), the hash
-    covers its indices too: only peers averaging the very same tensors meet. A full, uncompressed round
-    keeps the plain 32 bits.
+    32 bits of the step, then 16 bits from a hash of the round protocol, the codec's name (peers whose
+    parts would not decode for each other look for groups under different keys) and, for one fragment,
+    its tensor indices (only peers averaging the very same tensors meet).
     """
     bits = format(round_index % 2**32, "032b")
-    if codec_name is None and subset is None:
-        return bits
-    name = f"dilocod.codec.{codec_name}"
+    name = f"{ROUND_PROTOCOL}.codec.{codec_name}"
     if subset is not None:
         name += ".tensors." + ",".join(str(i) for i in subset)
     tag = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
     return bits + format(tag, "016b")
+
+
+def reducer_bandwidths(
+    bandwidths: Sequence[float | None],
+    modes: Sequence[AveragingMode],
+    trusted: Sequence[bool],
+    max_trainers: int | None,
+) -> list[float | None]:
+    """Which members reduce a share of the parts (0.0: none), in the group's order.
+
+    Only trusted members reduce: a member outside the group's majority (out of step, or banned by most)
+    would otherwise still average a share of everybody's parts. Auxiliary reducers always reduce. Of the
+    trainers, at most `max_trainers` do (the first in the group's order, which every member shares): a
+    group holds every live trainer of the run, and capping its reducers caps the streams each member
+    opens and the members whose failure can cut a round short.
+    """
+    shares: list[float | None] = []
+    trainers = 0
+    for bandwidth, mode, ok in zip(bandwidths, modes, trusted):
+        reduces = mode == AveragingMode.AUX
+        if mode == AveragingMode.NODE and ok and (max_trainers is None or trainers < max_trainers):
+            reduces, trainers = True, trainers + 1
+        shares.append(bandwidth if reduces else 0.0)
+    return shares
 
 
 class BanAwareMatchmaking(Matchmaking):
@@ -146,10 +173,12 @@ class RunAverager(StateDonors):
         codec: PartCodec | None = None,
         corrupt_reductions: bool = False,
         auth: RunAuth | None = None,
+        max_reducers: int | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
         self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
+        self._max_reducers = max_reducers
         self._codec = codec
         self._subset: list[int] | None = None  # which tensors the next round averages (None: all)
         super().__init__(*args, state_provider=state_provider, auth=auth, **kwargs)
@@ -192,6 +221,24 @@ class RunAverager(StateDonors):
         self._matchmaking.banned = frozenset(banned)
         future.set_result(None)
 
+    def set_group_target(self, trainers: int | None) -> None:
+        """Form groups of up to this many members from the next round on (None: the configured size).
+        A group that is full starts its all-reduce at once instead of waiting out the matchmaking window,
+        so the daemon sets it to the live trainers of the run (plus auxiliary reducers) every round."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_group_target", [], dict(size=trainers, future=future)))
+        future.result(timeout=10)
+
+    async def _set_group_target(self, size: int | None, future: MPFuture) -> None:
+        matchmaking = self._matchmaking
+        if not hasattr(self, "_configured_group_size"):
+            self._configured_group_size = matchmaking.target_group_size
+        target = self._configured_group_size if size is None else max(2, int(size))
+        matchmaking.target_group_size = target
+        matchmaking.potential_leaders.target_group_size = target
+        matchmaking.group_key_manager.target_group_size = target
+        future.set_result(None)
+
     def set_deadlines(self, allreduce_timeout: float) -> None:
         """Change the all-reduce deadline (blocking, quick). The per-chunk timeouts stay as configured:
         they bound how long members wait on each other within a round, which depends on their skew and
@@ -212,15 +259,12 @@ class RunAverager(StateDonors):
         try:
             self._check_members(group_info)
             bandwidths, modes, tickets = decode_gathered(self.serializer, group_info.gathered)
-            weights = agree_weights(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
+            agreement = agree(tickets, modes, [peer.to_base58() for peer in group_info.peer_ids])
+            weights = agreement.weights
             if not any(weights):
-                raise AllreduceException("no member of the group holds a valid ticket")
-            # Only trusted members reduce: a member the group gave weight 0 (out of step, or banned by most)
-            # would otherwise still average a share of everybody's parts. Auxiliary reducers keep theirs.
-            download = [
-                bw if mode == AveragingMode.AUX or (mode != AveragingMode.CLIENT and weight > 0) else 0.0
-                for bw, mode, weight in zip(bandwidths, modes, weights)
-            ]
+                raise AllreduceException("no member of the group holds a valid ticket with tokens")
+            trusted = [m and not b for m, b in zip(agreement.in_majority, agreement.banned)]
+            download = reducer_bandwidths(bandwidths, modes, trusted, self._max_reducers)
             subset = self._subset  # a fragment: only these tensors go on the wire
             total_size = self.total_size
             if subset is not None:
@@ -232,13 +276,16 @@ class RunAverager(StateDonors):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 chosen = local_tensors if subset is None else [local_tensors[i] for i in subset]
                 runner = await self._run_exact_allreduce(
-                    chosen, group_info, modes, weights, peer_fractions=fractions, **kwargs
+                    chosen, group_info, modes, normalized(weights), peer_fractions=fractions, **kwargs
                 )
             my_index = group_info.peer_ids.index(self.peer_id)
             return dict(
                 peers=[peer.to_base58() for peer in group_info.peer_ids],
-                weights=list(weights),
+                weights=list(weights),  # tokens, as agreed (the reducers used them divided by the largest)
                 my_weight=weights[my_index],
+                in_majority=agreement.in_majority[my_index],
+                majority_size=sum(agreement.in_majority),
+                banned=agreement.banned[my_index],
                 failed_size=runner.failed_size,
                 screened=runner.screened_parts,
                 faulty=sorted(peer.to_base58() for peer in runner.faulty_senders),

@@ -32,6 +32,7 @@ class AveragingOptions:
     deadline_factor: float = 3.0
     min_allreduce_timeout: float = 5.0
     mode: str = "node"  # "node": sends and reduces | "client": sends only (behind NAT) | "aux": reduces only
+    max_reducers: int | None = None  # trainers of a group that reduce (None: every reachable one)
     bandwidth: float | None = None  # relative download bandwidth, used to size each reducer's share
     # How a reducer combines the n copies of a part (default: the mean) and how a member checks an average
     # it receives; both are pure functions supplied by the caller.
@@ -49,7 +50,7 @@ class RoundOutcome:
 
     found_group: bool
     group_size: int
-    contributors: int
+    contributors: int  # members whose contribution counted (weight > 0)
     in_majority: bool
     complete: bool
     averaged: list[torch.Tensor] | None
@@ -61,6 +62,11 @@ class RoundOutcome:
     members: tuple[str, ...] = ()
     bytes_sent: int = 0  # tensor payload bytes this round, both directions of the all-reduce
     bytes_received: int = 0
+    banned: bool = False  # our θ_global was the group's, but most of the group bans us
+    majority_size: int = 0  # trainers that held the group's θ_global (with tokens or not): all apply it
+    allreduce_seconds: float = 0.0  # of `seconds`, the all-reduce (the rest is matchmaking)
+    my_weight: float = 0.0  # the tokens the group counted for our contribution (capped)
+    total_weight: float = 0.0  # ... for all contributions together
 
 
 def incomplete_reason(reducer_errors: tuple[str, ...]) -> str:
@@ -96,6 +102,7 @@ class GroupAverager:
         self._averager: RunAverager | None = None
         self._control: StepControl | None = None
         self._subset: list[int] | None = None  # the tensors the averager process averages (None: all)
+        self._group_target: int | None = None  # the group size the averager process aims for (None: config)
         self.deadlines = AdaptiveDeadlines(
             DeadlineBounds(
                 matchmaking_ceiling=options.matchmaking_timeout,
@@ -135,6 +142,7 @@ class GroupAverager:
             check_part=opts.check_part,
             codec=opts.codec,
             corrupt_reductions=opts.corrupt_reductions,
+            max_reducers=opts.max_reducers,
             auth=self.node.auth,  # members prove the run key; the leader and members check (peers/auth.py)
             declare_state_period=10,
             shutdown_timeout=3,
@@ -170,11 +178,14 @@ class GroupAverager:
         ticket: bytes,
         tensors: Sequence[torch.Tensor],
         subset: Sequence[int] | None = None,
+        group_target: int | None = None,
     ) -> RoundOutcome:
         """Average `tensors` with the peers at the same round; never waits past the configured deadlines.
 
         With `subset` (indices into the template), `tensors` are those tensors only: only they cross the
         wire, the outcome's `averaged` holds them alone, and only peers averaging the same subset meet.
+        `group_target`: the members expected (the run's live trainers and reducers); a group that has them
+        all starts at once instead of waiting out the matchmaking window. None: the configured size.
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -190,6 +201,9 @@ class GroupAverager:
         codec_name = None if self.options.codec is None else self.options.codec.name
         bits = round_group_bits(round_index, codec_name, chosen)
         await loop.run_in_executor(None, averager.set_group_bits, bits)
+        if group_target != self._group_target:
+            await loop.run_in_executor(None, averager.set_group_target, group_target)
+            self._group_target = group_target
         matchmaking, allreduce = self.deadlines.matchmaking, self.deadlines.allreduce
         if allreduce != self._allreduce_deadline:
             await loop.run_in_executor(None, averager.set_deadlines, allreduce)
@@ -214,13 +228,13 @@ class GroupAverager:
             )
         outcome = self._outcome(result, loop.time() - started)
         if outcome.averaged is not None:
-            allreduce_seconds = float(result.get("allreduce_seconds", 0.0))
-            self.deadlines.observe(outcome.seconds - allreduce_seconds, allreduce_seconds)
+            self.deadlines.observe(outcome.seconds - outcome.allreduce_seconds, outcome.allreduce_seconds)
         return outcome
 
     def _outcome(self, result: dict, seconds: float) -> RoundOutcome:
-        in_majority = float(result["my_weight"]) > 0
+        in_majority = bool(result["in_majority"]) and not bool(result["banned"])
         complete = int(result["failed_size"]) == 0
+        weights = [float(w) for w in result["weights"]]
         averaged = None
         if in_majority and complete:
             with self.averager.get_tensors() as shared:
@@ -229,7 +243,7 @@ class GroupAverager:
         return RoundOutcome(
             found_group=True,
             group_size=len(result["peers"]),
-            contributors=int(sum(result["weights"])),
+            contributors=sum(1 for w in weights if w > 0),
             in_majority=in_majority,
             complete=complete,
             averaged=averaged,
@@ -240,6 +254,11 @@ class GroupAverager:
             members=tuple(result["peers"]),
             bytes_sent=int(result.get("bytes_sent", 0)),
             bytes_received=int(result.get("bytes_received", 0)),
+            banned=bool(result["banned"]),
+            majority_size=int(result["majority_size"]),
+            allreduce_seconds=float(result.get("allreduce_seconds", 0.0)),
+            my_weight=float(result["my_weight"]),
+            total_weight=sum(weights),
         )
 
     def set_banned(self, peer_ids: Sequence[str]) -> None:

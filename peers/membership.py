@@ -2,19 +2,23 @@
 
 Every member's gathered data is hivemind's (bandwidth, mode, user data), and our user data is
 [ticket bytes, run-key proof] (see `RunAverager.step`). Every member decodes the same gathered data
-and so decides the same weights (`agree_weights`); a member without a valid run key is refused, with
-one warning per peer and reason (`warn_once`).
+and so decides the same weights (`agree_weights`): the tokens behind each contribution, capped so
+that a liar gains little (`capped_tokens`, docs/trust.md). A member without a valid run key is
+refused, with one warning per peer and reason (`warn_once`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from hivemind.averaging.allreduce import AveragingMode
 
+from peers.vote import plurality
 from proto import ProtoError, decode_ticket
 
 
@@ -78,38 +82,115 @@ def decode_gathered(
     return bandwidths, modes, tickets
 
 
-def agree_weights(
+@dataclass(frozen=True)
+class Agreement:
+    """What every member of a group decides from the same gathered tickets."""
+
+    in_majority: list[bool]  # the member's (outer step, θ hash, size) is the group's most common
+    banned: list[bool]  # in the majority, but more than half of the majority bans it
+    weights: list[float]  # tokens counted for its contribution (0 unless in the majority and not banned)
+
+
+def agree(
     tickets: Sequence[dict[str, Any] | None],
     modes: Sequence[AveragingMode],
     peer_ids: Sequence[str] | None = None,
-) -> list[float]:
-    """Weight 1 for contributors whose (outer step, θ hash, size) is the group's most common; else 0.
+) -> Agreement:
+    """Each member's weight: the tokens behind its contribution, capped (`capped_tokens`), for members whose
+    (outer step, θ hash, size) is the group's most common; 0 for everyone else.
 
     Every member runs this on the same gathered data, so all reach the same answer. Ties go to the
     smallest (step, hash) so that the choice does not depend on who computes it. Then a member that
     more than half of those contributors ban (tickets list their bans) loses its weight too: one
     peer's ban list alone never excludes anybody, but a liar most of the group caught does not count.
     """
-    weights = _majority_weights(tickets, modes)
-    if peer_ids is None:
-        return weights
-    voters = [t for t, w in zip(tickets, weights) if w > 0 and t is not None]
-    votes = Counter(banned for t in voters for banned in set(t.get("bans") or ()))
-    return [0.0 if votes[peer] * 2 > len(voters) else w for peer, w in zip(peer_ids, weights)]
+    majority = _majority(tickets, modes)
+    eligible = majority if peer_ids is None else _drop_banned(tickets, majority, peer_ids)
+    claims = [
+        Claim(t["tokens"], t["tokens_per_second"], t["train_seconds"]) if ok and t is not None else None
+        for t, ok in zip(tickets, eligible)
+    ]
+    banned = [m and not e for m, e in zip(majority, eligible)]
+    return Agreement(majority, banned, capped_tokens(claims))
 
 
-def _majority_weights(
-    tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]
+def agree_weights(
+    tickets: Sequence[dict[str, Any] | None],
+    modes: Sequence[AveragingMode],
+    peer_ids: Sequence[str] | None = None,
 ) -> list[float]:
+    """`agree(...).weights`."""
+    return agree(tickets, modes, peer_ids).weights
+
+
+def _majority(tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]) -> list[bool]:
     keys = [
         (t["outer_step"], t["global_sha256"], t["num_params"])
         if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX
         else None
         for t, mode in zip(tickets, modes)
     ]
-    counts = Counter(key for key in keys if key is not None)
-    if not counts:
-        return [0.0] * len(keys)
-    top = max(counts.values())
-    majority = min(key for key, count in counts.items() if count == top)
-    return [1.0 if key == majority else 0.0 for key in keys]
+    vote = plurality(keys)
+    return [vote is not None and key == vote.winner for key in keys]
+
+
+def _drop_banned(
+    tickets: Sequence[dict[str, Any] | None], eligible: list[bool], peer_ids: Sequence[str]
+) -> list[bool]:
+    voters = [t for t, ok in zip(tickets, eligible) if ok and t is not None]
+    bans = Counter(banned for t in voters for banned in set(t.get("bans") or ()))
+    return [ok and bans[peer] * 2 <= len(voters) for peer, ok in zip(peer_ids, eligible)]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a member's ticket says its contribution covers."""
+
+    tokens: int
+    tokens_per_second: float
+    train_seconds: float
+
+
+# A claim may be at most this many times the median of the other members' claims: a straggler that carries
+# a missed round's progress sends about twice a round's tokens; a liar gains at most this factor.
+MEDIAN_FACTOR = 2.0
+# Slack on tokens_per_second × train_seconds: the throughput a peer reports is a moving average.
+THROUGHPUT_SLACK = 1.5
+
+
+def capped_tokens(claims: Sequence[Claim | None]) -> list[float]:
+    """Weights from token claims (None: the member does not count, weight 0). A claim is clamped to
+
+    - `MEDIAN_FACTOR` × the median of the other counted members' positive claims (none: no bound), and
+    - `THROUGHPUT_SLACK` × its own tokens_per_second × its train_seconds, where train_seconds is taken
+      at most `MEDIAN_FACTOR` × the median of the counted members' train_seconds (so a liar must also
+      claim a throughput that its status records, seen by everyone, would have to show).
+
+    Pure and deterministic: every member computes the same weights from the same tickets.
+    """
+    counted = [c for c in claims if c is not None]
+    seconds_bound = MEDIAN_FACTOR * _median([c.train_seconds for c in counted]) if counted else 0.0
+    weights: list[float] = []
+    for index, claim in enumerate(claims):
+        if claim is None:
+            weights.append(0.0)
+            continue
+        others = [c.tokens for i, c in enumerate(claims) if c is not None and i != index and c.tokens > 0]
+        bound = MEDIAN_FACTOR * _median(others) if others else math.inf
+        seconds = min(claim.train_seconds, seconds_bound)
+        produced = THROUGHPUT_SLACK * claim.tokens_per_second * seconds
+        weights.append(float(max(0.0, min(float(claim.tokens), bound, produced))))
+    return weights
+
+
+def normalized(weights: Sequence[float]) -> list[float]:
+    """Weights divided by the largest one, so that equal weights become exactly 1.0 (the reducers then run
+    their unweighted arithmetic bit for bit); all zero stays all zero."""
+    top = max(weights, default=0.0)
+    return [w / top if top > 0 else 0.0 for w in weights]
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    k = len(ordered)
+    return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 5, ROUND_TICKET at 2, STATE_META at 1).
+"""The concrete wire messages of dilocod (STATUS at version 6, ROUND_TICKET at 3, STATE_META at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +14,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=5,
+    version=6,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -47,6 +47,15 @@ STATUS = Schema(
         Field("relayed", "bool", optional=True),
         # v5: inner steps into the current round, so a peer that re-synced can join the round in step.
         Field("round_steps", "int", optional=True, min=0),
+        # v6: the run's round clock (dilocod/rounds/clock.py) and what reached θ_global.
+        Field("round", "int", optional=True, min=0),
+        Field("round_tokens", "int", optional=True, min=0),
+        Field("round_opened", "float", optional=True, min=0),
+        Field("reference_tokens", "int", optional=True, min=0),
+        Field("tokens_trained", "int", optional=True, min=0),
+        Field("tokens_contributed", "int", optional=True, min=0),
+        Field("contributing", "bool", optional=True),
+        Field("settings_hash", "hex", optional=True, min=16, max=16),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -83,7 +92,9 @@ on data checked later (the round ticket, the state download's hash), never on th
 
 ROUND_TICKET = Schema(
     name="dilocod.ticket",
-    version=2,
+    version=3,
+    # v3 weights each contribution by its tokens: a v2 ticket has none, and weighing it 1 would misread it.
+    min_version=3,
     max_bytes=4096,
     fields=(
         Field("outer_step", "int", min=0),
@@ -92,6 +103,10 @@ ROUND_TICKET = Schema(
         Field("role", "str", choices=("peer", "helper")),
         # v2: the peers the sender bans (bounded). A member banned by most contributors gets weight 0.
         Field("bans", "list_str", optional=True, max=32, item_max=128),
+        # v3: what the contribution covers, for its weight (peers/membership.py caps the claim).
+        Field("tokens", "int", min=0, max=2**53),
+        Field("tokens_per_second", "float", min=0, max=1e12),
+        Field("train_seconds", "float", min=0, max=1e9),
     ),
 )
 """Sent by each member of a forming averaging group to all the others (all-gather) during matchmaking.
@@ -105,6 +120,16 @@ members decide the same way (who averages with whom) without another round of me
   train the same model.
 - role: "peer" for a training member, "helper" for a member that only helps with averaging.
 - bans (v2): peer ids the sender bans; the group drops a member that most contributors ban.
+- tokens (v3): tokens of inner steps behind the pseudo-gradient the sender is about to send, measured
+  from the group's θ_global (progress carried from rounds that were not applied counts too). The
+  contribution's weight; 0 for a helper.
+- tokens_per_second (v3): the sender's own throughput (as in its status records).
+- train_seconds (v3): seconds of training behind those tokens. With tokens_per_second it bounds what an
+  honest claim can be (docs/trust.md: a claim is clamped to 2 × the median of the others' claims and to
+  1.25 × tokens_per_second × its train_seconds, the latter at most twice the group's median).
+
+Version 3 is the oldest accepted: a v2 ticket carries no tokens and is refused (its sender gets weight 0,
+and its group key differs anyway, see `peers/averager.py`).
 """
 
 STATE_META = Schema(

@@ -75,10 +75,15 @@ class Schema:
     version: int
     fields: tuple[Field, ...]
     max_bytes: int
+    # The oldest version still accepted. A message whose meaning changed (a ticket whose weight now comes
+    # from a field older senders lack) raises it, so old senders are refused by name instead of misread.
+    min_version: int = 1
 
     def __post_init__(self) -> None:
         if self.version < 1:
             raise ValueError(f"schema {self.name!r}: version must be >= 1")
+        if not 1 <= self.min_version <= self.version:
+            raise ValueError(f"schema {self.name!r}: min_version must be in 1..version")
         if self.max_bytes < 1:
             raise ValueError(f"schema {self.name!r}: max_bytes must be >= 1")
         names = [f.name for f in self.fields]
@@ -314,13 +319,21 @@ def _check_envelope(schema: Schema, fields: dict[Any, Any]) -> None:
         _fail(schema, "_v", f"unsupported version {_show(version)} (newest known is {schema.version})")
     if version < 1:
         _fail(schema, "_v", f"invalid version {_show(version)}")
+    if version < schema.min_version:
+        _fail(
+            schema,
+            "_v",
+            f"version {_show(version)} is no longer accepted (oldest accepted is {schema.min_version}): "
+            "the sender runs an older dilocod",
+        )
 
 
 def decode(schema: Schema, data: bytes) -> dict[str, Any]:
     """Decodes untrusted bytes into a plain dict of the schema's fields, or raises ProtoError.
 
     Optional fields that are absent come back as None. Records with an older version are accepted
-    (fields added since then are optional); records with a newer version are rejected.
+    (fields added since then are optional) down to the schema's `min_version`; records with a newer
+    version, or older than `min_version`, are rejected.
     """
     if not isinstance(data, bytes):
         _fail(schema, None, f"expected bytes, got {_type_name(data)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from dilocod.demo import free_port
+from dilocod.processes.demo import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dilocod.adversary import ALIE_WINDOW, Adversary
 from dilocod.config import AdversaryConfig
+from dilocod.trust.adversary import ALIE_WINDOW, Adversary
 
 
 def honest_delta(seed: int) -> list[torch.Tensor]:
@@ -91,3 +91,10 @@ def test_only_bad_reducer_corrupts_reductions() -> None:
 def test_stale_rounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="stale_rounds"):
         AdversaryConfig(mode="stale", stale_rounds=0).validate()
+
+
+def test_inflate_tokens_claims_ten_times_its_tokens_and_a_throughput_to_match() -> None:
+    assert adversary("inflate_tokens").claim(1000, 50.0) == (10_000, 500.0)
+    assert adversary("none").claim(1000, 50.0) == (1000, 50.0)
+    delta = [torch.ones(3)]
+    assert torch.equal(adversary("inflate_tokens").corrupt_delta(delta)[0], delta[0])  # its Δ is honest

@@ -211,7 +211,17 @@ NUM = sum(torch.Size(s).numel() for s in SHAPES)
 
 
 def _ticket(step: int) -> bytes:
-    return encode_ticket({"outer_step": step, "global_sha256": "a" * 64, "num_params": NUM, "role": "peer"})
+    return encode_ticket(
+        {
+            "outer_step": step,
+            "global_sha256": "a" * 64,
+            "num_params": NUM,
+            "role": "peer",
+            "tokens": 1000,
+            "tokens_per_second": 100.0,
+            "train_seconds": 10.0,
+        }
+    )
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,20 @@ LATE = 3.5  # the second trainer arrives this long after the first: over twice t
 OPTIONS = dict(target_group_size=3, min_group_size=2, min_matchmaking_time=1.5, matchmaking_timeout=12.0)
 
 
+def tokens(role: str) -> dict[str, object]:
+    """A trainer claims a round's tokens; a helper none."""
+    trainer = role == "peer"
+    return {
+        "tokens": 1000 if trainer else 0,
+        "tokens_per_second": 100.0 if trainer else 0.0,
+        "train_seconds": 10.0 if trainer else 0.0,
+    }
+
+
 def ticket(role: str) -> bytes:
-    return encode_ticket({"outer_step": STEP, "global_sha256": "a" * 64, "num_params": NUM, "role": role})
+    return encode_ticket(
+        {"outer_step": STEP, "global_sha256": "a" * 64, "num_params": NUM, "role": role, **tokens(role)}
+    )
 
 
 @pytest.fixture(scope="module")

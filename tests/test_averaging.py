@@ -19,25 +19,30 @@ SHA_A, SHA_B = "a" * 64, "b" * 64
 NUM = sum(torch.Size(s).numel() for s in SHAPES)
 
 
-def ticket(step: int, sha: str, role: str = "peer", num: int = NUM) -> dict[str, object]:
-    return {"outer_step": step, "global_sha256": sha, "num_params": num, "role": role}
+def ticket(
+    step: int, sha: str, role: str = "peer", num: int = NUM, tokens: int = 1000, tps: float = 100.0
+) -> dict[str, object]:
+    return {
+        "outer_step": step, "global_sha256": sha, "num_params": num, "role": role,
+        "tokens": tokens, "tokens_per_second": tps, "train_seconds": 10.0,
+    }  # fmt: skip
 
 
 def test_agree_weights_majority_ties_and_invalid() -> None:
     node = AveragingMode.NODE
     assert agree_weights([ticket(1, SHA_A), ticket(1, SHA_A), ticket(1, SHA_B)], [node] * 3) == [
-        1.0,
-        1.0,
+        1000.0,
+        1000.0,
         0.0,
     ]
     # a tie goes to the smallest (step, hash), whoever computes it
-    assert agree_weights([ticket(1, SHA_B), ticket(1, SHA_A)], [node] * 2) == [0.0, 1.0]
+    assert agree_weights([ticket(1, SHA_B), ticket(1, SHA_A)], [node] * 2) == [0.0, 1000.0]
     # invalid tickets, helpers and auxiliary reducers never count
     weights = agree_weights(
         [None, ticket(1, SHA_A, role="helper"), ticket(1, SHA_A), ticket(1, SHA_A)],
         [node, node, node, AveragingMode.AUX],
     )
-    assert weights == [0.0, 0.0, 1.0, 0.0]
+    assert weights == [0.0, 0.0, 1000.0, 0.0]
     assert agree_weights([None, None], [node, node]) == [0.0, 0.0]
 
 
@@ -113,6 +118,27 @@ def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverag
     assert_same_bits(outcomes[0].averaged, outcomes[1].averaged)
     for got, a, b in zip(outcomes[0].averaged, inputs[0], inputs[1], strict=True):
         torch.testing.assert_close(got, (a + b) / 2)
+
+
+def test_contributions_are_weighted_by_their_tokens_identically_on_every_member(
+    trio: list[GroupAverager],
+) -> None:
+    inputs = random_inputs(4)
+    claims = [ticket(3, SHA_A, tokens=1000), ticket(3, SHA_A, tokens=500), ticket(3, SHA_A, tokens=1500)]
+    outcomes = run_round(trio, 3, [encode_ticket(c) for c in claims], inputs)
+    assert all(o.averaged is not None and o.contributors == 3 for o in outcomes), outcomes
+    assert [o.my_weight for o in outcomes] == [1000.0, 500.0, 1500.0]
+    assert all(o.total_weight == 3000.0 for o in outcomes)
+    assert_same_bits(outcomes[0].averaged, outcomes[1].averaged)  # type: ignore[arg-type]
+    assert_same_bits(outcomes[0].averaged, outcomes[2].averaged)  # type: ignore[arg-type]
+    for got, a, b, c in zip(outcomes[0].averaged, *inputs, strict=True):  # type: ignore[arg-type]
+        torch.testing.assert_close(got, (1000 * a + 500 * b + 1500 * c) / 3000)
+    # A member with no tokens yet (it joined as the round closed) takes part and applies, weightless.
+    claims = [ticket(4, SHA_A, tokens=1000), ticket(4, SHA_A, tokens=0), ticket(4, SHA_A, tokens=1000)]
+    outcomes = run_round(trio, 4, [encode_ticket(c) for c in claims], random_inputs(5))
+    assert [o.contributors for o in outcomes] == [2, 2, 2]
+    assert all(o.in_majority and o.majority_size == 3 and o.averaged is not None for o in outcomes)
+    assert_same_bits(outcomes[0].averaged, outcomes[1].averaged)  # type: ignore[arg-type]
 
 
 def test_non_finite_contribution_is_screened_out(trio: list[GroupAverager]) -> None:

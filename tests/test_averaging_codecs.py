@@ -34,7 +34,17 @@ MAGIC = 12345.0  # a part starting with this value leaves the saboteur malformed
 
 
 def ticket(step: int) -> bytes:
-    return encode_ticket({"outer_step": step, "global_sha256": SHA, "num_params": NUM, "role": "peer"})
+    return encode_ticket(
+        {
+            "outer_step": step,
+            "global_sha256": SHA,
+            "num_params": NUM,
+            "role": "peer",
+            "tokens": 1000,
+            "tokens_per_second": 100.0,
+            "train_seconds": 10.0,
+        }
+    )
 
 
 class Saboteur:

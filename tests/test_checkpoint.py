@@ -1,4 +1,4 @@
-"""Tests for dilocod.checkpoint: round-trips, atomic writes, and refusing unreadable or unsafe files."""
+"""Tests for dilocod.statesync.checkpoint: round-trips, atomic writes, and refusing unreadable or unsafe files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from dilocod.checkpoint import (
+from dilocod.statesync.checkpoint import (
     FILENAME,
     FORMAT,
     VERSION,

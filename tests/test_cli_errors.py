@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from dilocod import __version__
-from dilocod.checkpoint import FILENAME
 from dilocod.cli import EXIT_USAGE, main
+from dilocod.statesync.checkpoint import FILENAME
 
 GARBAGE = b"definitely not a checkpoint\x00\xff\x01\x02"
 

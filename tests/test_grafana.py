@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from prometheus_client.metrics_core import Metric
 
-from dilocod.metrics import Metrics
+from dilocod.observability.metrics import Metrics
 from tests.tools import need_program
 
 REPO = Path(__file__).resolve().parent.parent

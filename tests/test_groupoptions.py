@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dilocod.config import load_config
-from dilocod.groupoptions import averaging_options
+from dilocod.processes.groupoptions import averaging_options
 
 
 def test_aux_reducers_match_the_peers_except_for_their_seat_and_checks() -> None:

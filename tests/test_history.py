@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from dilocod.history import PEER_FIELDS, RUN_FIELDS, RunHistory
-from dilocod.http import HttpServer
-from dilocod.metrics import Metrics
+from dilocod.observability.history import PEER_FIELDS, RUN_FIELDS, RunHistory
+from dilocod.observability.http import HttpServer
+from dilocod.observability.metrics import Metrics
 
 
 def rec(peer: str, step: int, **fields: Any) -> dict[str, Any]:

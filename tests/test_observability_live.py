@@ -241,6 +241,9 @@ def _open_dashboard(browser: Any, url: str, peers: int, screenshot: Path) -> dic
               conn: document.getElementById("conn").textContent,
               servedBy: document.getElementById("served-by").textContent,
               peersCard: document.getElementById("card-peers").textContent,
+              sharePoints: Number(document.getElementById("chart-share").dataset.points || 0),
+              useful: document.getElementById("card-useful").textContent,
+              shareCells: [...document.querySelectorAll("#peers tr[data-peer] td:nth-child(10)")].map((td) => td.textContent),
             })""",
             list(CHARTS),
         )
@@ -268,6 +271,9 @@ def test_dashboard_renders_the_live_run(live: Swarm) -> None:
             for chart in CHARTS:
                 assert found["dots"][chart] > 0, (chart, found)
             assert found["lines"]["loss"] >= 3  # one line per peer (plus the run mean)
+            # Each peer's contribution share: a line each, a run-wide card, a table column.
+            assert found["sharePoints"] > 0 and found["useful"].endswith("%"), found
+            assert all(cell.endswith("%") for cell in found["shareCells"]), found["shareCells"]
             assert not found["ownRoundsShown"]  # a bootstrap has no rounds of its own
             assert shot.stat().st_size > 10_000
 

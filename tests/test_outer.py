@@ -341,8 +341,8 @@ def test_rebase_keeps_the_pseudo_gradient_measured_from_the_new_global() -> None
 
 
 def test_progress_is_kept_only_for_a_near_re_sync_and_only_when_enabled() -> None:
-    on, off = OuterConfig(rebase_on_resync=True), OuterConfig()
-    assert not off.rebase_on_resync  # opt-in
+    on, off = OuterConfig(), OuterConfig(rebase_on_resync=False)
+    assert on.rebase_on_resync  # every peer's tokens count: on by default
     assert keeps_progress(on, 7, 7)  # the losing side of a split at our own step
     assert keeps_progress(on, 7, 8) and keeps_progress(on, 7, 7 + REBASE_MAX_GAP)
     assert not keeps_progress(on, 7, 8 + REBASE_MAX_GAP)  # e.g. restarted from an old checkpoint

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.demo import free_port
+from dilocod.processes.demo import free_port
 from tests.harness import FAST, REPO, Proc, Swarm, wait_for
 
 pytestmark = pytest.mark.integration

@@ -6,12 +6,20 @@ import asyncio
 import io
 import logging
 import math
+import time
 
 import pytest
 
-from dilocod import progress
-from dilocod.peerstate import PeerState
-from dilocod.progress import CLEAR, Console, ConsoleHandler, StepClock, progress_line, show_progress
+from dilocod.observability import progress
+from dilocod.observability.peerstate import PeerState
+from dilocod.observability.progress import (
+    CLEAR,
+    Console,
+    ConsoleHandler,
+    StepClock,
+    progress_line,
+    show_progress,
+)
 
 
 class FakeTerminal(io.StringIO):
@@ -28,16 +36,20 @@ def state(**fields: object) -> PeerState:
 
 def test_progress_line_says_where_the_peer_is() -> None:
     s = state(outer_step=12, round_steps=3, loss=3.21449, eval_loss=3.3, tokens_per_second=12345.6,
-              peers_known=2, phase="training")  # fmt: skip
+              peers_known=2, phase="training", round_closes_at=time.time() + 24.4,
+              tokens_trained=1000, tokens_contributed=970.0)  # fmt: skip
     line = progress_line(s, 50, seconds_per_step=0.5)
     assert line == (
-        "outer 12 │ inner 3/50 │ loss 3.214 │ eval 3.300 │ 12,346 tok/s │ sync in ~24s │ 2 peers │ training"
+        "outer 12 │ inner 3 │ loss 3.214 │ eval 3.300 │ 12,346 tok/s │ round closes in ~24s │ share 0.97 │ "
+        "2 peers │ training"
     )
     assert "averaging now" in progress_line(state(phase="averaging"), 50, 0.5)
     assert "downloading θ_global" in progress_line(state(phase="syncing"), 50, 0.5)
     fresh = progress_line(state(loss=math.nan, phase="starting", peers_known=1), 50, None)
-    assert "loss –" in fresh and "sync in –" in fresh and "– tok/s" in fresh and "1 peer │" in fresh
-    assert "sync in ~17m" in progress_line(state(round_steps=0), 1000, 1.0)
+    assert "loss –" in fresh and "closes in –" in fresh and "– tok/s" in fresh and "1 peer │" in fresh
+    assert "share" not in fresh  # nothing trained yet
+    # Before the run's clock is known: H inner steps at our own pace.
+    assert "round closes in ~17m" in progress_line(state(round_steps=0), 1000, 1.0)
 
 
 def test_step_clock_ignores_pauses() -> None:
@@ -80,7 +92,7 @@ def test_show_progress_on_a_terminal_quiets_info_then_restores_it(monkeypatch: p
 
     asyncio.run(scenario())
     out = term.getvalue()
-    assert f"{CLEAR}outer 3 │ inner 1/5" in out and f"{CLEAR}outer 4 │" in out
+    assert f"{CLEAR}outer 3 │ inner 1" in out and f"{CLEAR}outer 4 │" in out
     assert out.endswith(CLEAR)  # the line is gone when the peer stops
     assert handler.level == logging.INFO
 

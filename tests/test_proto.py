@@ -71,6 +71,14 @@ status_records = st.fixed_dictionaries(
         "compute_utilization": st.none() | st.floats(0, 1),
         "relayed": st.none() | st.booleans(),
         "round_steps": st.none() | st.integers(0, INT64_MAX),
+        "round": st.none() | st.integers(0, INT64_MAX),
+        "round_tokens": st.none() | st.integers(0, INT64_MAX),
+        "round_opened": st.none() | nonneg,
+        "reference_tokens": st.none() | st.integers(0, INT64_MAX),
+        "tokens_trained": st.none() | st.integers(0, INT64_MAX),
+        "tokens_contributed": st.none() | st.integers(0, INT64_MAX),
+        "contributing": st.none() | st.booleans(),
+        "settings_hash": st.none() | st.text(alphabet="0123456789abcdef", min_size=16, max_size=16),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -81,6 +89,9 @@ ticket_records = st.fixed_dictionaries(
         "role": st.sampled_from(["peer", "helper"]),
         "bans": st.none()
         | st.lists(st.text(alphabet=string.ascii_letters + string.digits, max_size=60), max_size=32),
+        "tokens": st.integers(0, 2**53),
+        "tokens_per_second": st.floats(0, 1e12),
+        "train_seconds": st.floats(0, 1e9),
     }
 )
 state_meta_records = st.fixed_dictionaries(
@@ -141,9 +152,20 @@ def example(schema: Schema) -> dict[str, Any]:
             "compute_utilization": 0.93,
             "relayed": False,
             "round_steps": 40,
+            "round": 3,
+            "round_tokens": 81920,
+            "round_opened": 1_699_999_990.0,
+            "reference_tokens": 163840,
+            "tokens_trained": 4_000_000,
+            "tokens_contributed": 3_900_000,
+            "contributing": True,
+            "settings_hash": "0123456789abcdef",
         }
     if schema is ROUND_TICKET:
-        return {"outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": []}
+        return {
+            "outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": [],
+            "tokens": 163840, "tokens_per_second": 16384.0, "train_seconds": 10.0,
+        }  # fmt: skip
     return {"outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0}
 
 
@@ -512,8 +534,9 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 5, 4096)
-    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 2, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 6, 4096)
+    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 3, 4096)
+    assert ROUND_TICKET.min_version == 3 and STATUS.min_version == 1
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
 
@@ -526,11 +549,14 @@ def test_older_version_accepted_when_schema_grows() -> None:
         decode(v1, encode(v2, {"a": 1, "b": "x"}))
 
 
+V6 = ("round", "round_tokens", "round_opened", "reference_tokens", "tokens_trained", "tokens_contributed",
+      "contributing", "settings_hash")  # fmt: skip
+V5_ON = ("round_steps", *V6)
+
+
 def test_status_v2_records_still_decode() -> None:
     """v3 added compute_utilization (optional): a v2 sender's record reads back with it as None."""
-    record = {
-        k: v for k, v in example(STATUS).items() if k not in ("compute_utilization", "relayed", "round_steps")
-    }
+    record = {k: v for k, v in example(STATUS).items() if k not in ("compute_utilization", "relayed", *V5_ON)}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=2))
     assert decoded["compute_utilization"] is None and decoded["peer_id"] == record["peer_id"]
     for bad in (-0.1, 1.5, float("nan")):
@@ -540,7 +566,7 @@ def test_status_v2_records_still_decode() -> None:
 
 def test_status_v3_records_still_decode() -> None:
     """v4 added relayed (optional): a v3 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k not in ("relayed", "round_steps")}
+    record = {k: v for k, v in example(STATUS).items() if k not in ("relayed", *V5_ON)}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=3))
     assert decoded["relayed"] is None and decoded["compute_utilization"] == record["compute_utilization"]
     with pytest.raises(ProtoError, match="relayed"):
@@ -549,9 +575,36 @@ def test_status_v3_records_still_decode() -> None:
 
 def test_status_v4_records_still_decode() -> None:
     """v5 added round_steps (optional): a v4 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k != "round_steps"}
+    record = {k: v for k, v in example(STATUS).items() if k not in V5_ON}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=4))
     assert decoded["round_steps"] is None and decoded["relayed"] == record["relayed"]
     for bad in (-1, 1.5, "3"):
         with pytest.raises(ProtoError, match="round_steps"):
             decode(STATUS, raw_pack(STATUS, {**record, "round_steps": bad}))
+
+
+def test_status_v5_records_still_decode() -> None:
+    """v6 added the round clock's fields (optional): a v5 sender's record reads back without them."""
+    record = {k: v for k, v in example(STATUS).items() if k not in V6}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=5))
+    assert all(decoded[k] is None for k in V6) and decoded["round_steps"] == record["round_steps"]
+    with pytest.raises(ProtoError, match="settings_hash"):
+        decode(STATUS, raw_pack(STATUS, {**example(STATUS), "settings_hash": "abc"}))
+
+
+def test_tickets_older_than_v3_are_refused_by_name() -> None:
+    """A v2 ticket has no tokens: weighing it would misread it, so it is refused, saying why."""
+    old = {
+        k: v
+        for k, v in example(ROUND_TICKET).items()
+        if k not in ("tokens", "tokens_per_second", "train_seconds")
+    }
+    with pytest.raises(
+        ProtoError,
+        match="version 2 is no longer accepted .oldest accepted is 3.: the sender runs an older dilocod",
+    ):
+        decode_ticket(raw_pack(ROUND_TICKET, old, version=2))
+    with pytest.raises(ProtoError, match="tokens"):
+        decode_ticket(raw_pack(ROUND_TICKET, old))
+    with pytest.raises(ValueError, match="min_version"):
+        Schema("s", 2, (), 100, min_version=3)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from dilocod.cli import main
-from dilocod.http import HttpServer
-from dilocod.metrics import Metrics
-from dilocod.statuscmd import normalize_url, render, run_status
+from dilocod.observability.http import HttpServer
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.statuscmd import normalize_url, render, run_status
 from tests.harness import free_port
 
 
@@ -26,7 +26,8 @@ def record(peer_id: str, **fields: Any) -> dict[str, Any]:
         "peer_id": peer_id, "run_id": "r1", "role": "peer", "reachability": "public", "outer_step": 4,
         "inner_step": 80, "loss": 3.25, "eval_loss": None, "tokens_per_second": 1500.0, "global_sha256": "ab" * 32,
         "group_size": 3, "alone": False, "last_round_seconds": 2.5, "rounds_ok": 4, "rounds_failed": 1,
-        "time": 1000.0, "version": "0.1.0", "maddrs": [],
+        "time": 1000.0, "version": "0.1.0", "maddrs": [], "tokens_trained": 1000, "tokens_contributed": 950,
+        "contributing": True,
     }  # fmt: skip
     base.update(fields)
     return base
@@ -38,13 +39,19 @@ def test_render_lists_every_peer_with_its_numbers() -> None:
         record(
             "12D3KooWBBBBBBBBBBBBBBBBBBBBpeertwo2", reachability="private", outer_step=3, loss=float("nan")
         ),
-        record("12D3KooWCCCCCCCCCCCCCCCCCCCCpeerthr3", time=900.0, alone=True, group_size=1),
-    ]
-    status = {"peer_id": "12D3KooWBBBBBBBBBBBBBBBBBBBBpeertwo2", "role": "peer", "run_id": "r1"}
+        record(
+            "12D3KooWCCCCCCCCCCCCCCCCCCCCpeerthr3", time=900.0, alone=True, group_size=1,
+            tokens_contributed=100, contributing=False,
+        ),
+    ]  # fmt: skip
+    status = {
+        "peer_id": "12D3KooWBBBBBBBBBBBBBBBBBBBBpeertwo2", "role": "peer", "run_id": "r1",
+        "not_contributing_reason": "behind the run's clock by 4.0s",
+    }  # fmt: skip
     text = render(status, records, "http://x:1", now=1002.0)
     lines = text.splitlines()
     assert lines[0].startswith("run r1 · via peer …BBpeertwo2 (http://x:1) · 3 peers · 4,500 tokens/s")
-    assert "outer step 4 (slowest 3)" in lines[0]
+    assert "outer step 4 (slowest 3)" in lines[0] and "67% of tokens reached θ_global" in lines[0]
     assert lines[2].split()[:3] == ["PEER", "ROLE", "REACH"]
     rows = {line.split()[0]: line for line in lines[3:6]}
     assert set(rows) == {"…AApeerone1", "…BBpeertwo2*", "…CCpeerthr3"}
@@ -52,7 +59,9 @@ def test_render_lists_every_peer_with_its_numbers() -> None:
     assert "3.250" in rows["…AApeerone1"] and "1,500" in rows["…AApeerone1"] and "4/1" in rows["…AApeerone1"]
     assert "abababababab" in rows["…AApeerone1"] and "2.5s" in rows["…AApeerone1"]
     assert "1 alone" in rows["…CCpeerthr3"] and "(stale)" in rows["…CCpeerthr3"]
-    assert lines[-1] == "* the node that answered"
+    assert " 95% " in rows["…AApeerone1"] and " 10%! " in rows["…CCpeerthr3"]  # its share; ! not contributing
+    assert lines[-2] == "* the node that answered"
+    assert lines[-1] == "the node that answered is not contributing: behind the run's clock by 4.0s"
     # Columns line up: numbers are right-aligned under their header.
     end = lines[2].index("OUTER") + len("OUTER") - 1
     assert [line[end] for line in lines[3:6]] == ["4", "3", "4"]

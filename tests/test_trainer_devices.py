@@ -15,8 +15,8 @@ import torch
 
 from dilocod.cli import _parser, join_overrides
 from dilocod.config import ConfigError, load_config
-from dilocod.metrics import Metrics
-from dilocod.peerstate import PeerState
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.peerstate import PeerState
 from dilocod.trainer import settings
 from dilocod.trainer.data import Corpus, DataConfig, ShardSampler
 from dilocod.trainer.inner import InnerTrainer

@@ -38,14 +38,10 @@ class OuterConfig:
     # (0.5: the value Streaming DiLoCo uses, arXiv:2501.18512; 0: replace it by θ_global)
     mix_alpha: float = 0.5
     # true: a peer that re-syncs to a θ_global at most REBASE_MAX_GAP outer steps ahead of its own (a
-    # missed round, a straggler, the losing side of a split) keeps its inner progress not yet averaged,
-    # rebased onto the new θ_global, and sends it in its next round. Off by default: side by side it made
-    # no difference beyond the benchmark's noise (docs/benchmarks.md), so dropping stays the default
-    rebase_on_resync: bool = False
-    # true: after a re-sync, train only the rest of the round the run's peers are in (their records'
-    # round_steps) instead of a whole round. Off by default: in bench/rejoin.py it made no difference, and
-    # its shorter first round is averaged with full weight, diluting that round (docs/architecture.md)
-    join_in_phase: bool = False
+    # missed round, a peer the run's clock left behind, the losing side of a split) keeps its inner
+    # progress not yet averaged, rebased onto the new θ_global, and sends it (with its tokens) in its next
+    # round: every peer's tokens count. false: that progress is dropped (and the log says how many tokens)
+    rebase_on_resync: bool = True
 
     def validate(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -32,6 +32,8 @@ PEER_FIELDS = (
     "bans",
     "bytes_sent",
     "bytes_received",
+    "tokens_trained",
+    "tokens_contributed",
 )
 """One row per peer sample; a field the peers' records do not carry (older peers, `bytes_*` today) is null."""
 

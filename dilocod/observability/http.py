@@ -4,7 +4,7 @@
 - `/metrics`: Prometheus metrics of this node;
 - `/api/status`: this node (a peer's includes its recent rounds);
 - `/api/run`: every live peer's latest status record, from this node's view of the DHT;
-- `/api/history`: what this node has seen of the run over time (`dilocod.history`).
+- `/api/history`: what this node has seen of the run over time (`dilocod.observability.history`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from dilocod.history import RunHistory
-from dilocod.metrics import Metrics
+from dilocod.observability.history import RunHistory
+from dilocod.observability.metrics import Metrics
 
 StatusFn = Callable[[], dict[str, Any]]
 RunFn = Callable[[], Awaitable[list[dict[str, Any]]]]
@@ -80,14 +80,14 @@ class HttpServer:
             self._runner = None
 
     async def _index(self, _request: web.Request) -> web.Response:
-        page = resources.files("dilocod.web").joinpath("index.html").read_text()
+        page = resources.files("dilocod.observability.web").joinpath("index.html").read_text()
         return web.Response(text=page, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def _static(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in STATIC:  # a fixed list: no path ever reaches the file system from a request
             raise web.HTTPNotFound()
-        text = resources.files("dilocod.web").joinpath(name).read_text()
+        text = resources.files("dilocod.observability.web").joinpath(name).read_text()
         return web.Response(text=text, content_type=STATIC[name], headers={"Cache-Control": "no-cache"})
 
     async def _metrics_handler(self, _request: web.Request) -> web.Response:

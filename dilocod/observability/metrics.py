@@ -34,6 +34,17 @@ class Metrics:
         )
         self.mfu.set(math.nan)  # unknown until measured, and for good on a CPU without trainer.peak_flops
         self.tokens = Counter("dilocod_tokens", "Tokens trained on", registry=r)
+        self.tokens_contributed = Counter(
+            "dilocod_tokens_contributed",
+            "Tokens of this peer whose progress reached θ_global (with the weight its groups gave them)",
+            registry=r,
+        )
+        self.contribution_share = Gauge(
+            "dilocod_contribution_share",
+            "Tokens that reached θ_global divided by tokens trained (0-1; NaN before the first step)",
+            registry=r,
+        )
+        self.contribution_share.set(math.nan)
         self.inner_steps = Counter("dilocod_inner_steps", "Inner optimizer steps taken", registry=r)
         self.inner_step_seconds = Histogram(
             "dilocod_inner_step_seconds", "Wall time of one inner step", buckets=STEP_BUCKETS, registry=r

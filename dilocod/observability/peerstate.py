@@ -16,7 +16,7 @@ HISTORY = 100  # rounds kept for the status API and dashboard
 @dataclass
 class RoundRecord:
     outer_step: int  # the outer step this round produced (or would have)
-    result: str  # ok | alone | no_group | failed | resynced | diverged | undone (stepped back) | stepped_back
+    result: str  # a `rounds.events.Outcome` value: ok, alone, no_group, failed, late, resynced, …
     group_size: int
     seconds: float
     global_sha256: str
@@ -25,6 +25,8 @@ class RoundRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     time: float = field(default_factory=time.time)
+    tokens: int = 0  # tokens behind our contribution to this round
+    tokens_counted: float = 0.0  # of those, what reached θ_global (the weight the group gave them)
 
 
 @dataclass
@@ -37,7 +39,17 @@ class PeerState:
     maddrs: list[str] = field(default_factory=list)
     outer_step: int = 0
     inner_step: int = 0
-    round_steps: int = 0  # inner steps taken since θ_global was last adopted
+    round_steps: int = 0  # inner steps taken in the current round
+    round: int = 0  # the round we train (outer_step, + 1 while a launched round is in flight)
+    round_tokens: int = 0  # tokens trained in that round (the run's clock counts them)
+    round_opened: float = 0.0  # unix time the round opened
+    round_closes_at: float | None = None  # unix time the run's clock closes it (estimate)
+    reference_tokens: int = 0  # tokens of H inner steps of our one-device config
+    tokens_trained: int = 0
+    tokens_contributed: float = 0.0  # of those, reached θ_global
+    contributing: bool = True
+    not_contributing_reason: str | None = None
+    settings_hash: str | None = None
     loss: float = math.nan
     eval_loss: float | None = None
     tokens_per_second: float = 0.0
@@ -102,6 +114,15 @@ class PeerState:
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
             "round_steps": self.round_steps,
+            "round": self.round,
+            "round_tokens": self.round_tokens,
+            "round_closes_in": self.round_closes_in(),
+            "tokens_trained": self.tokens_trained,
+            "tokens_contributed": int(self.tokens_contributed),
+            "contribution_share": self.contribution_share,
+            "contributing": self.contributing,
+            "not_contributing_reason": self.not_contributing_reason,
+            "settings_hash": self.settings_hash,
             "loss": self.loss,
             "eval_loss": self.eval_loss,
             "tokens_per_second": self.tokens_per_second,
@@ -154,4 +175,25 @@ class PeerState:
             "compute_utilization": self.compute_utilization(),
             "relayed": self.relayed,
             "round_steps": self.round_steps,
+            "round": self.round,
+            "round_tokens": self.round_tokens,
+            "round_opened": self.round_opened or None,
+            "reference_tokens": self.reference_tokens,
+            "tokens_trained": self.tokens_trained,
+            "tokens_contributed": int(self.tokens_contributed),
+            "contributing": self.contributing,
+            "settings_hash": self.settings_hash,
         }
+
+    @property
+    def contribution_share(self) -> float | None:
+        """Tokens that reached θ_global ÷ tokens trained (null before the first inner step)."""
+        if self.tokens_trained <= 0:
+            return None
+        return min(1.0, self.tokens_contributed / self.tokens_trained)
+
+    def round_closes_in(self, now: float | None = None) -> float | None:
+        """Seconds until the run's clock closes our round (0 once due; null when unknown)."""
+        if self.round_closes_at is None or not math.isfinite(self.round_closes_at):
+            return None
+        return max(0.0, self.round_closes_at - (time.time() if now is None else now))

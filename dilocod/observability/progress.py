@@ -2,7 +2,7 @@
 
 On a terminal (stderr is a TTY) a running peer shows
 
-    outer 12 │ inner 3/50 │ loss 3.214 │ eval 3.301 │ 1,234 tok/s │ sync in ~41s │ 2 peers │ training
+    outer 12 │ inner 3 │ loss 3.214 │ eval 3.301 │ 1,234 tok/s │ round closes in ~41s │ share 0.97 │ 2 peers │ training
 
 rewritten in place about once a second, and only warnings reach the console once training started (every
 record still goes to `dilocod.log` in the run dir). When stderr is not a terminal (a service, the demo,
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TextIO
 
-from dilocod.peerstate import PeerState
+from dilocod.observability.peerstate import PeerState
 
 REFRESH_SECONDS = 1.0
 CLEAR = "\r\x1b[K"  # back to column 0, erase to the end of the line
@@ -124,24 +124,33 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(state: PeerState, inner_steps: int, seconds_per_step: float | None) -> str:
-    """One line: outer step, inner step in the round / H, loss, tokens/s, time to the next sync."""
+    """One line: outer step, inner steps this round, loss, tokens/s, when the run's clock closes the round
+    (before it is known: H inner steps at our own pace), the share of our tokens that reached θ_global."""
     loss = state.loss
     parts = [
         f"outer {state.outer_step}",
-        f"inner {state.round_steps}/{inner_steps}",
+        f"inner {state.round_steps}",
         f"loss {loss:.3f}" if isinstance(loss, float) and math.isfinite(loss) else "loss –",
     ]
     if state.eval_loss is not None and math.isfinite(state.eval_loss):
         parts.append(f"eval {state.eval_loss:.3f}")
     parts.append(f"{state.tokens_per_second:,.0f} tok/s" if state.tokens_per_second else "– tok/s")
+    closes_in = state.round_closes_in()
     if state.phase == "averaging":
         parts.append("averaging now")
     elif state.phase == "syncing":
         parts.append("downloading θ_global")
+    elif closes_in is not None:
+        parts.append(f"round closes in ~{duration(closes_in)}")
     elif seconds_per_step is not None:
-        parts.append(f"sync in ~{duration((inner_steps - state.round_steps) * seconds_per_step)}")
+        parts.append(
+            f"round closes in ~{duration(max(0, inner_steps - state.round_steps) * seconds_per_step)}"
+        )
     else:
-        parts.append("sync in –")
+        parts.append("round closes in –")
+    share = state.contribution_share
+    if share is not None:
+        parts.append(f"share {share:.2f}")
     parts.append(f"{state.peers_known} peer{'s' if state.peers_known != 1 else ''}")
     parts.append(state.phase)
     return " │ ".join(parts)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
-from dilocod.history import RunHistory
-from dilocod.metrics import Metrics
+from dilocod.observability.history import RunHistory
+from dilocod.observability.metrics import Metrics
 from peers.node import Node
 from proto import ProtoError, decode_status
 
@@ -39,3 +41,34 @@ async def read_run(
     if history is not None:
         history.observe(records)
     return records
+
+
+HELPERS_KEY = "helpers"
+
+
+class NodeRunView:
+    """The round driver's `RunView` port: the run's records through our DHT node.
+
+    The round clock reads the records several times a second near a round's close, and several parts
+    of the peer read them at once; reads within `max_age` seconds share one DHT lookup.
+    """
+
+    def __init__(self, node: Node, metrics: Metrics | None = None, max_age: float = 0.1) -> None:
+        self.node, self.metrics, self.max_age = node, metrics, max_age
+        self._cache: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def records(self) -> list[dict[str, Any]]:
+        return await self._read(STATUS_KEY)
+
+    async def helpers(self) -> list[dict[str, Any]]:
+        return await self._read(HELPERS_KEY)
+
+    async def _read(self, key: str) -> list[dict[str, Any]]:
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            cached = self._cache.get(key)
+            if cached is not None and time.monotonic() - cached[0] < self.max_age:
+                return cached[1]
+            records = await read_run(self.node, self.metrics if key == STATUS_KEY else None, key=key)
+            self._cache[key] = (time.monotonic(), records)
+            return records

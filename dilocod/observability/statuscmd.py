@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from dilocod.progress import duration
+from dilocod.observability.progress import duration
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 TIMEOUT_SECONDS = 5.0
@@ -84,8 +84,8 @@ def short_id(peer_id: str) -> str:
     return "…" + peer_id[-10:] if len(peer_id) > 11 else peer_id
 
 
-COLUMNS = ("PEER", "ROLE", "REACH", "OUTER", "INNER", "LOSS", "EVAL", "TOKENS/S", "GROUP", "LAST ROUND",
-           "OK/FAILED", "θ SHA256", "SEEN")  # fmt: skip
+COLUMNS = ("PEER", "ROLE", "REACH", "OUTER", "INNER", "LOSS", "EVAL", "TOKENS/S", "SHARE", "GROUP",
+           "LAST ROUND", "OK/FAILED", "θ SHA256", "SEEN")  # fmt: skip
 LEFT = {"PEER", "ROLE", "REACH", "θ SHA256"}
 
 
@@ -116,6 +116,10 @@ def render(
         )
     if losses:
         summary += f" · loss {sum(losses) / len(losses):.3f}"
+    trained = sum(_num(r.get("tokens_trained")) or 0.0 for r in peers)
+    if trained > 0:
+        reached = sum(_num(r.get("tokens_contributed")) or 0.0 for r in peers)
+        summary += f" · {100 * reached / trained:.0f}% of tokens reached θ_global"
     rows = []
     for r in records:
         peer_id = str(r.get("peer_id") or "")
@@ -129,7 +133,7 @@ def render(
         rows.append(
             (
                 name, str(r.get("role") or "?"), reach, _i(r.get("outer_step")), _i(r.get("inner_step")),
-                _f(r.get("loss")), _f(r.get("eval_loss")), _i(r.get("tokens_per_second")), group,
+                _f(r.get("loss")), _f(r.get("eval_loss")), _i(r.get("tokens_per_second")), _share(r), group,
                 "–" if last is None else f"{last:.1f}s", f"{_i(r.get('rounds_ok'))}/{_i(r.get('rounds_failed'))}",
                 str(r.get("global_sha256") or "")[:12],
                 _age(seen) + (" (stale)" if seen is not None and seen > STALE_SECONDS else ""),
@@ -146,7 +150,16 @@ def render(
         lines.append("(no live peer records yet)")
     elif own and any(r.get("peer_id") == own for r in records):
         lines.append("* the node that answered")
+    if status.get("not_contributing_reason"):
+        lines.append(f"the node that answered is not contributing: {status['not_contributing_reason']}")
     return "\n".join(lines)
+
+
+def _share(record: dict[str, Any]) -> str:
+    """Its tokens that reached θ_global ÷ tokens trained; `!` marks a peer that says it is not contributing."""
+    trained, reached = _num(record.get("tokens_trained")), _num(record.get("tokens_contributed"))
+    mark = "!" if record.get("contributing") is False else ""
+    return "–" if not trained or reached is None else f"{100 * reached / trained:.0f}%{mark}"
 
 
 def run_status(

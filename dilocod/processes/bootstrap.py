@@ -14,18 +14,18 @@ from typing import Any
 
 from dilocod import __version__
 from dilocod.config import Config
-from dilocod.helper import AuxReducer
-from dilocod.history import RunHistory
-from dilocod.http import HttpServer
-from dilocod.metrics import Metrics
-from dilocod.runtime import STOP_GRACE_SECONDS, install_stop_signals
-from dilocod.runview import read_run
+from dilocod.observability.history import RunHistory
+from dilocod.observability.http import HttpServer
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.runview import read_run
+from dilocod.processes.helper import AuxReducer
+from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from peers.errors import PeersError
 from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import free_ports
 from peers.relay import RELAY_IDENTITIES, RelayProcess, public_ipv4
 
-log = logging.getLogger("dilocod.bootstrap")
+log = logging.getLogger("dilocod.processes.bootstrap")
 
 REFRESH_SECONDS = 5.0
 
@@ -119,7 +119,7 @@ class BootstrapDaemon:
         self.aux.start()
         install_stop_signals(self.stopping)
         log.info("reducing for the run as an auxiliary peer (--no-reduce turns this off)")
-        return [asyncio.create_task(self.aux.serve(self.stopping, self.run_view))]
+        return [asyncio.create_task(self.aux.serve(self.stopping))]
 
     def _start_relay(self) -> list[str]:
         """Start the py-libp2p relay child (peers/relay.py) on our public IP; its multiaddrs."""

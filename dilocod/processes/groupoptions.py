@@ -13,8 +13,11 @@ def averaging_options(cfg: Config, mode: str, *, corrupt_reductions: bool = Fals
     avg = cfg.averaging
     aux = mode == "aux"
     return AveragingOptions(
-        # One seat more than the trainers: the bootstrap (or a helper) joins as an auxiliary reducer.
+        # The size a group aims for until the round driver sets it to the run's live trainers (plus
+        # reducers) every round: one seat more than group_size for the bootstrap or a helper.
         target_group_size=avg.group_size + 1,
+        # A group holds every live trainer of the run; at most group_size of them reduce.
+        max_reducers=avg.group_size,
         # Counted in trainers: matchmaking adds one for each auxiliary reducer in the forming group
         # (peers/averager.py, BanAwareMatchmaking), whichever member leads it.
         min_group_size=avg.min_group_size,

@@ -3,8 +3,10 @@
 Peers behind NAT run in client mode: they send and receive but accept no connections, so they
 cannot reduce, and a group of clients alone cannot average. A public node that joins each round as an
 auxiliary member (it reduces its share of the parts and contributes no weight) makes their rounds
-possible; the bootstrap is one by default. It follows the run's outer steps from the status records
-and publishes a small record under `<run>.helpers` so that private peers know reducers exist.
+possible; the bootstrap is one by default. It follows the run's clock like every trainer
+(`dilocod/rounds/clock.py`): from the trainers' status records it knows the round they train and when
+it closes, and enters matchmaking at that close, with them. It publishes a small record under
+`<run>.helpers` so that private peers know reducers exist.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -20,16 +21,19 @@ import torch
 from dilocod import __version__
 from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
-from dilocod.groupoptions import averaging_options
+from dilocod.observability.runview import HELPERS_KEY, NodeRunView
+from dilocod.processes.groupoptions import averaging_options
+from dilocod.rounds import clock
 from dilocod.trainer.model import PRESETS, Transformer
 from peers.group import GroupAverager
 from peers.node import Node
+from peers.vote import plurality
 from proto import encode_status, encode_ticket
 
 log = logging.getLogger("dilocod.helper")
 
-HELPERS_KEY = "helpers"
 IDLE_SECONDS = 1.0
+SAME_ROUND_SECONDS = 0.5  # two reports of a round's opening this close are the same round
 
 
 def parameter_shapes(preset: str) -> list[torch.Size]:
@@ -53,11 +57,18 @@ class AuxReducer:
             if cfg.outer.overlap == "streaming"
             else None
         )
+        count = 1 if self.fragments is None else len(self.fragments)
+        t = cfg.trainer
+        self.clock = clock.ClockSettings(
+            target_tokens=cfg.round.tokens // count,
+            reference_tokens=t.inner_steps * t.batch_size * t.seq_len // count,
+            max_seconds=cfg.round.max_seconds / count,
+            stale_after=max(3 * cfg.net.status_interval, 3.0),
+        )
+        self.view = NodeRunView(node)
         self.rounds_reduced = 0
-        self.last_step = -1
-        self.reduced_at = 0.0  # monotonic time of the last round reduced for ≥ 2 trainers
-        # How long peers' records may still show a step after its round ended (published every interval).
-        self.record_lag = max(10.0, 3 * cfg.net.status_interval)
+        self.last_round = -1
+        self._last: tuple[int, float] | None = None  # (round, opened) of the last round we joined
         self.bytes_sent = self.bytes_received = 0  # tensor payload bytes of every round it reduced in
 
     def start(self) -> None:
@@ -67,28 +78,14 @@ class AuxReducer:
     def stop(self) -> None:
         self.group.stop()
 
-    async def serve(self, stopping: asyncio.Event, run_view: Any) -> None:
-        """Join every round the run's peers are about to run, until stopped."""
+    async def serve(self, stopping: asyncio.Event) -> None:
+        """Join every round of the run at its close, until stopped."""
         while not stopping.is_set():
             try:
                 await self._publish()
-                step = self._target(await run_view())
-                if step is None:
-                    await asyncio.wait_for(stopping.wait(), IDLE_SECONDS)
-                    continue
-                subset = self._fragment(step)
-                tensors = self.template if subset is None else [self.template[i] for i in subset]
-                outcome = await self.group.average(step, self._ticket(step), tensors, subset=subset)
-                self.bytes_sent += outcome.bytes_sent
-                self.bytes_received += outcome.bytes_received
-                if outcome.found_group and outcome.error is None:
-                    self.rounds_reduced += 1
-                    # A round with one trainer does not count for it (rounds.py: it retries the same
-                    # step), so we stay at that step too; moving on would leave private peers with no
-                    # reducer at the step they retry, for ever.
-                    if outcome.contributors > 1:
-                        self.last_step, self.reduced_at = step, time.monotonic()
-                    log.info("reduced round %d for a group of %d", step, outcome.group_size)
+                wait = await self._round_or_wait()
+                if wait > 0:
+                    await asyncio.wait_for(stopping.wait(), wait)
             except TimeoutError:
                 continue
             except asyncio.CancelledError:
@@ -97,26 +94,48 @@ class AuxReducer:
                 log.warning("aux reducer round failed: %r", e)
                 await asyncio.sleep(IDLE_SECONDS)
 
-    def _target(self, records: list[dict[str, Any]], now: float | None = None) -> int | None:
-        """The outer step most live peers are at, or the next one after the round we just reduced: their
-        records lag a round that just ended. Once that lag is over, where they are wins even if it is a step
-        we reduced already: peers that stepped back (dilocod/stepback.py) retry it, and need a reducer."""
-        steps = Counter(r["outer_step"] for r in records if r["role"] == "peer")
-        if not steps:
-            return None
-        common = steps.most_common(1)[0][0]
-        if self.last_step < 0 or common > self.last_step:
-            return common
-        now = time.monotonic() if now is None else now
-        return self.last_step + 1 if now - self.reduced_at < self.record_lag else common
+    async def _round_or_wait(self) -> float:
+        """Join the run's round if it is closing now; else how long to wait before looking again."""
+        now = time.time()
+        due = next_round(await self.view.records(), self.clock, now)
+        if due is None:
+            return IDLE_SECONDS
+        round_index, opened, close, trainers = due
+        if (
+            self._last is not None
+            and self._last[0] == round_index
+            and abs(self._last[1] - opened) < SAME_ROUND_SECONDS
+        ):
+            return clock.refresh_interval(close, now, self.cfg.net.status_interval)  # joined it already
+        if close.at > now:
+            return min(close.at - now, clock.refresh_interval(close, now, self.cfg.net.status_interval))
+        self._last = (round_index, opened)
+        await self._reduce(round_index, trainers)
+        return 0.0
+
+    async def _reduce(self, round_index: int, trainers: int) -> None:
+        subset = self._fragment(round_index)
+        tensors = self.template if subset is None else [self.template[i] for i in subset]
+        outcome = await self.group.average(
+            round_index, self._ticket(round_index), tensors, subset=subset, group_target=trainers + 1
+        )
+        self.bytes_sent += outcome.bytes_sent
+        self.bytes_received += outcome.bytes_received
+        if outcome.found_group and outcome.error is None:
+            self.rounds_reduced += 1
+            self.last_round = round_index
+            log.info("reduced round %d for a group of %d", round_index, outcome.group_size)
 
     def _fragment(self, step: int) -> list[int] | None:
         return None if self.fragments is None else self.fragments[fragment_of(step, len(self.fragments))]
 
     def _ticket(self, step: int) -> bytes:
         return encode_ticket(
-            {"outer_step": step, "global_sha256": "0" * 64, "num_params": self.num_elements, "role": "helper"}
-        )
+            {
+                "outer_step": step, "global_sha256": "0" * 64, "num_params": self.num_elements, "role": "helper",
+                "tokens": 0, "tokens_per_second": 0.0, "train_seconds": 0.0,
+            }
+        )  # fmt: skip
 
     async def _publish(self) -> None:
         record = {
@@ -124,7 +143,7 @@ class AuxReducer:
             "run_id": self.cfg.run.id,
             "role": "helper",
             "reachability": "public",
-            "outer_step": max(self.last_step, 0),
+            "outer_step": max(self.last_round, 0),
             "inner_step": 0,
             "tokens_per_second": 0.0,
             "global_sha256": "0" * 64,
@@ -137,3 +156,20 @@ class AuxReducer:
             "maddrs": self.node.visible_maddrs()[:4],
         }
         await self.node.publish(HELPERS_KEY, encode_status(record), ttl=30.0)
+
+
+def next_round(
+    records: list[dict[str, Any]], settings: clock.ClockSettings, now: float
+) -> tuple[int, float, clock.Close, int] | None:
+    """The round most live trainers train, when it opened, when it closes, and how many train it."""
+    progress = [p for r in records if (p := clock.progress_from_record(r)) is not None]
+    fresh = [p for p in progress if now - p.time <= settings.stale_after]
+    vote = plurality(-p.round for p in fresh)  # negated: a tie goes to the later round (the others catch up)
+    if vote is None:
+        return None
+    round_index = -vote.winner
+    trainers = clock.in_round(fresh, round_index, now, settings.stale_after)
+    arriving = clock.in_round(fresh, round_index - 1, now, settings.stale_after)
+    opened = clock.round_opened(trainers, fallback=now)
+    close = clock.estimate_close(trainers, settings, now, opened, arriving)
+    return round_index, opened, close, len(trainers) + len(arriving)

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 REPEAT_IS_ECHO_SECONDS = 2.0
-STOP_GRACE_SECONDS = 15.0  # how long a running all-reduce may finish after a stop signal
+STOP_GRACE_SECONDS = (
+    15.0  # how long a running all-reduce may finish after a stop signal (peers: rounds/driver.py)
+)
 
 
 def run_main(main: Coroutine[Any, Any, int]) -> int:
@@ -49,9 +51,9 @@ def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
     """Our own log lines to stderr and (when a run dir exists) to a file; hivemind's chatter to the file only.
 
     The console handler is `progress.ConsoleHandler`: on a terminal a peer keeps a progress line under
-    the log records and shows only warnings once it trains (see `dilocod.progress`).
+    the log records and shows only warnings once it trains (see `dilocod.observability.progress`).
     """
-    from dilocod.progress import console_handler
+    from dilocod.observability.progress import console_handler
 
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()

@@ -15,6 +15,7 @@ import torch
 from dilocod.config import AdversaryConfig
 
 ALIE_WINDOW = 10
+INFLATE_FACTOR = 10  # inflate_tokens: how much more than the truth it claims
 
 
 class Adversary:
@@ -71,6 +72,13 @@ class Adversary:
             std = samples.std(dim=0, unbiased=False) if len(window) > 1 else torch.zeros_like(delta[i])
             out.append(samples.mean(dim=0) - self.z * std)
         return out
+
+    def claim(self, tokens: int, tokens_per_second: float) -> tuple[int, float]:
+        """What this peer's ticket claims its contribution covers. `inflate_tokens` claims 10× its tokens,
+        and a throughput to match, so that only the group's median bounds it (docs/trust.md)."""
+        if self.mode != "inflate_tokens":
+            return tokens, tokens_per_second
+        return tokens * INFLATE_FACTOR, tokens_per_second * INFLATE_FACTOR
 
     def declared_state_step(self, outer_step: int) -> int:
         """The step this peer claims when offering its state: a bad donor claims to be far ahead."""

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-log = logging.getLogger("dilocod.bans")
+log = logging.getLogger("dilocod.trust.bans")
 
 FILENAME = "bans.json"
 DEFAULT_SECONDS = 3600.0

@@ -247,6 +247,15 @@ function render(status, records, history, metrics, now) {
     ? split.map(([step, h]) => `${h.size} hashes at step ${step}`).join(", ")
     : (peers.length ? "peers at the same step hold the same θ" : "");
 
+  const trained = sum(peers.map((p) => p.tokens_trained));
+  const reached = sum(peers.map((p) => p.tokens_contributed));
+  $("card-useful").textContent = trained > 0 ? `${(100 * reached / trained).toFixed(0)}%` : "–";
+  const idle = peers.filter((p) => p.contributing === false);
+  $("card-useful-sub").textContent = trained > 0
+    ? `${fmtShort(reached)} of ${fmtShort(trained)} tokens` + (idle.length ? ` · ${idle.length} not contributing` : "")
+    : "";
+  $("card-useful").className = "value" + (idle.length ? " bad" : "");
+
   // Charts over outer steps, from the history this node kept.
   const lossSteps = byStep(history, "loss");
   const runMean = new Map();
@@ -283,10 +292,22 @@ function render(status, records, history, metrics, now) {
       points: (history.run || []).map((row) => [row[si], row[fi]]) }],
   { xInt: true, yZero: true, empty: "no round yet" });
 
+  renderShare(history);
   renderBytes(history, metrics, now);
   renderTrust(peers, metrics, history);
   renderPeerTable(records, self, now);
   renderOwnRounds(status);
+}
+
+function renderShare(history) {
+  const fields = history.peer_fields || [];
+  const ti = fields.indexOf("time"), tri = fields.indexOf("tokens_trained"), ci = fields.indexOf("tokens_contributed");
+  const series = Object.entries(history.peers || {}).filter(([, e]) => e.role === "peer").map(([peer, e]) => ({
+    name: shortId(peer), colour: peerColour(peer), dots: false,
+    points: e.samples.filter((row) => isNum(row[tri]) && row[tri] > 0).map((row) => [row[ti], row[ci] / row[tri]]),
+  }));
+  chart("share", series, { xTime: true, yZero: true, yFmt: (v) => `${Math.round(100 * v)}%`,
+    empty: "no peer reports its tokens yet" });
 }
 
 function renderBytes(history, metrics, now) {
@@ -354,6 +375,8 @@ function renderPeerTable(records, self, now) {
       <td>${fmtInt(r.outer_step)}</td><td>${fmtInt(r.inner_step)}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
       <td>${fmtInt(r.tokens_per_second)}</td>
       <td>${isNum(r.compute_utilization) ? Math.round(100 * r.compute_utilization) + "%" : "–"}</td>
+      <td class="${r.contributing === false ? "bad" : ""}" title="${r.contributing === false ? "not contributing: its /api/status says why" : ""}">${
+        isNum(r.tokens_trained) && r.tokens_trained > 0 ? Math.round(100 * r.tokens_contributed / r.tokens_trained) + "%" : "–"}</td>
       <td>${fmtInt(r.group_size)}${r.alone ? " (alone)" : ""}</td>
       <td>${isNum(r.last_round_seconds) ? r.last_round_seconds.toFixed(1) + "s" : "–"}</td>
       <td>${fmtInt(r.rounds_ok)} / <span class="${r.rounds_failed > 0 ? "bad" : ""}">${fmtInt(r.rounds_failed)}</span></td>
@@ -361,7 +384,7 @@ function renderPeerTable(records, self, now) {
       <td class="mono">${esc(String(r.global_sha256 || "").slice(0, 12))}</td><td>${fmtAge(age)}</td>
       <td>${esc(r.version || "")}</td></tr>`;
   });
-  $("peers").innerHTML = rows.join("") || `<tr><td colspan="16" class="muted">no live peer records yet</td></tr>`;
+  $("peers").innerHTML = rows.join("") || `<tr><td colspan="17" class="muted">no live peer records yet</td></tr>`;
   $("peers-sub").textContent = `${records.length} live record${records.length === 1 ? "" : "s"}`;
 }
 
@@ -372,9 +395,10 @@ function renderOwnRounds(status) {
   $("rounds").innerHTML = rounds.slice(-30).reverse().map((r) => {
     const good = r.result === "ok" || r.result === "alone" || r.result === "resynced";
     return `<tr><td>${fmtInt(r.outer_step)}</td><td class="${good ? "ok" : "bad"}">${esc(r.result)}</td>
-      <td>${fmtInt(r.group_size)}</td><td>${fmt(r.seconds, 1)}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
+      <td>${fmtInt(r.group_size)}</td><td>${fmt(r.seconds, 1)}</td>
+      <td>${r.tokens ? `${fmtInt(r.tokens)} (${fmtInt(r.tokens_counted)})` : "–"}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
       <td class="mono">${esc(String(r.global_sha256 || "").slice(0, 12))}</td><td>${isNum(r.time) ? clock(r.time) : "–"}</td></tr>`;
-  }).join("") || `<tr><td colspan="8" class="muted">no round yet</td></tr>`;
+  }).join("") || `<tr><td colspan="9" class="muted">no round yet</td></tr>`;
 }
 
 // ---- polling -----------------------------------------------------------------------------------------

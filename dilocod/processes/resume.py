@@ -1,0 +1,136 @@
+"""Building a peer's training state, from scratch or from its checkpoint, and what a checkpoint holds.
+
+A checkpoint holds θ_global and the outer momentum (with their step), the trainer (working copy, inner
+optimizer moments, lr schedule step, data position), the error-feedback residual, the token ledger
+(tokens trained, contributed, and behind the progress not yet averaged) and the round counters. A
+restart therefore resumes mid-round: its progress and the tokens behind it still go out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
+from dilocod.config import Config
+from dilocod.diloco import OuterOptimizer
+from dilocod.diloco.fragments import split_fragments
+from dilocod.observability.peerstate import PeerState
+from dilocod.rounds.tokens import TokenLedger
+from dilocod.statesync.checkpoint import CheckpointError
+from dilocod.trainer import InnerTrainer
+
+log = logging.getLogger("dilocod.resume")
+
+
+@dataclass
+class Resumed:
+    trainer: InnerTrainer
+    outer: OuterOptimizer
+    feedback: ErrorFeedback | None  # error-feedback residual (int4/int2 compression)
+    tokens: TokenLedger
+
+
+def build_trainer(
+    cfg: Config, peer_key: str, checkpoint: dict[str, Any] | None, run_dir: Path, state: PeerState
+) -> Resumed:
+    """Runs in the trainer thread: torch work stays off the event loop."""
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
+    trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key)
+    outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
+    if trainer.device.type == "cuda":
+        outer.pin_memory()
+    tokens = TokenLedger(fragments=_fragments(cfg, outer))
+    if checkpoint is not None:
+        try:
+            _restore(cfg, run_dir, checkpoint, trainer, outer, tokens, state)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            reason = str(e).split("\n")[0]
+            raise CheckpointError(
+                f"checkpoint {run_dir / 'checkpoint.pt'} cannot be resumed: {reason}"
+            ) from None
+    feedback = _make_feedback(cfg, outer, checkpoint)
+    state.outer_step, state.inner_step = outer.step, trainer.step
+    state.global_sha256 = outer.sha256
+    state.tokens_trained, state.tokens_contributed = tokens.trained, tokens.contributed
+    return Resumed(trainer, outer, feedback, tokens)
+
+
+def _fragments(cfg: Config, outer: OuterOptimizer) -> int:
+    if cfg.outer.overlap != "streaming":
+        return 1
+    return len(split_fragments([p.numel() for p in outer.params], cfg.outer.fragments))
+
+
+def _restore(
+    cfg: Config,
+    run_dir: Path,
+    checkpoint: dict[str, Any],
+    trainer: InnerTrainer,
+    outer: OuterOptimizer,
+    tokens: TokenLedger,
+    state: PeerState,
+) -> None:
+    if checkpoint.get("run_id") != cfg.run.id or checkpoint.get("preset") != cfg.model.preset:
+        raise ValueError(
+            f"checkpoint in {run_dir} belongs to run '{checkpoint.get('run_id')}' "
+            f"(preset {checkpoint.get('preset')}), not '{cfg.run.id}' ({cfg.model.preset}); use another --run-dir"
+        )
+    saved = checkpoint["outer"]
+    outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"]])
+    trainer.load_state_dict(checkpoint["trainer"])
+    counters = checkpoint.get("counters", {})
+    state.rounds_ok = int(counters.get("rounds_ok", 0))
+    state.rounds_failed = int(counters.get("rounds_failed", 0))
+    state.resyncs = int(counters.get("resyncs", 0))
+    saved_tokens = checkpoint.get("tokens")
+    if isinstance(saved_tokens, dict):
+        tokens.load_state_dict(saved_tokens)
+    log.info("resumed from checkpoint at outer step %d, inner step %d", outer.step, trainer.step)
+
+
+def _make_feedback(
+    cfg: Config, outer: OuterOptimizer, checkpoint: dict[str, Any] | None
+) -> ErrorFeedback | None:
+    """Error feedback for the coarse codecs; the residual resumes from the checkpoint when it fits."""
+    if cfg.averaging.compression not in FEEDBACK_CODECS:
+        return None
+    feedback = ErrorFeedback([p.shape for p in outer.params])
+    saved = (checkpoint or {}).get("error_feedback")
+    if saved is not None:
+        try:
+            feedback.load_state_dict(saved)
+        except ValueError as e:  # harmless: the residual only delays what the codec dropped
+            log.warning("checkpoint's error-feedback residual not resumed (%s); starting from zero", e)
+        if not math.isfinite(feedback.norm()):
+            feedback.reset()
+    return feedback
+
+
+def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[str, Any]:
+    """Runs in the trainer thread: fresh copies, safe to write while training goes on."""
+    outer = resumed.outer
+    return {
+        "run_id": cfg.run.id,
+        "preset": cfg.model.preset,
+        "outer": {
+            "step": outer.step,
+            "params": [p.clone() for p in outer.params],
+            "momentum": [m.clone() for m in outer.momentum],
+            "sha256": outer.sha256,
+        },
+        "trainer": resumed.trainer.state_dict(),
+        "error_feedback": None if resumed.feedback is None else resumed.feedback.state_dict(),
+        "tokens": resumed.tokens.state_dict(),
+        "counters": {
+            "rounds_ok": state.rounds_ok,
+            "rounds_failed": state.rounds_failed,
+            "resyncs": state.resyncs,
+        },
+    }

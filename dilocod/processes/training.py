@@ -1,0 +1,107 @@
+"""The peer's trainer thread: inner steps and every other piece of torch work on the model.
+
+All torch work runs in one single-worker thread pool, so the event loop keeps serving HTTP, publishing
+status records and talking to the averager while the peer trains. This is the round driver's `Training`
+port; each inner step is counted on the event loop (inner step, tokens, throughput) as it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.peerstate import PeerState
+from dilocod.rounds.tokens import TokenLedger
+from dilocod.trainer import InnerTrainer, StepStats
+
+T = TypeVar("T")
+
+# Weight of the newest step in the throughput average (a few steps smooth out noise, yet a peer that
+# slows down shows it within a round: the run's clock relies on it).
+THROUGHPUT_EMA = 0.2
+
+
+class TrainerThread:
+    def __init__(
+        self,
+        trainer: InnerTrainer,
+        pool: ThreadPoolExecutor,
+        state: PeerState,
+        metrics: Metrics,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.trainer, self.pool, self.state, self.metrics = trainer, pool, state, metrics
+        self.stopping = stopping
+        self.tokens: TokenLedger | None = None  # set once the ledger exists (it resumes from a checkpoint)
+        self.seconds_per_step: float | None = None
+        self.on_step: Callable[[], None] = lambda: None  # after each step is counted (the driver's hook)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    async def evaluate(self) -> float:
+        return await self.run(self.trainer.evaluate)
+
+    async def train(self, should_stop: Callable[[], bool]) -> StepStats:
+        """Inner steps until `should_stop()` before a step; at least one unless the peer is stopping."""
+        loop = asyncio.get_running_loop()
+        trainer = self.trainer
+        taken = [0]
+        last = [time.perf_counter()]
+
+        def stop_now() -> bool:
+            return self.stopping.is_set() or (taken[0] > 0 and should_stop())
+
+        def stepped(step: int, loss: float) -> None:  # trainer thread
+            now = time.perf_counter()
+            seconds, last[0] = now - last[0], now
+            taken[0] += 1
+            loop.call_soon_threadsafe(self._count_step, step, loss, seconds)
+
+        self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
+        try:
+            stats = await self.run(
+                lambda: trainer.train_steps(1 << 62, should_stop=stop_now, on_step=stepped)
+            )
+        finally:
+            self.state.training_ended(time.monotonic())
+        if stats.steps:
+            self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
+            self.state.loss = stats.mean_loss  # the mean train loss of the round's steps
+        return stats
+
+    def _count_step(self, step: int, loss: float, seconds: float) -> None:
+        """One inner step, on the event loop: counters, throughput, the token ledger."""
+        tokens = self.trainer.tokens_per_step
+        self.state.inner_step = step
+        self.state.round_steps += 1
+        self.metrics.inner_steps.inc()
+        self.metrics.tokens.inc(tokens)
+        if math.isfinite(loss):
+            self.metrics.train_loss.set(loss)
+        if seconds > 0:
+            self._throughput(tokens / seconds, seconds)
+        if self.tokens is not None:
+            self.tokens.stepped(tokens, seconds)
+            self.state.tokens_trained = self.tokens.trained
+            self.state.round_tokens = self.tokens.round
+        self.on_step()
+
+    def _throughput(self, tokens_per_second: float, seconds: float) -> None:
+        old = self.state.tokens_per_second
+        tps = (
+            tokens_per_second if old <= 0 else (1 - THROUGHPUT_EMA) * old + THROUGHPUT_EMA * tokens_per_second
+        )
+        self.state.tokens_per_second = tps
+        self.seconds_per_step = self.trainer.tokens_per_step / tps
+        self.metrics.tokens_per_second.set(tps)
+        self.state.mfu = self.trainer.mfu(tps)
+        self.metrics.mfu.set(math.nan if self.state.mfu is None else self.state.mfu)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()

@@ -1,0 +1,12 @@
+"""The round protocol: the run's clock, the pure round machine, and the driver that performs its actions.
+
+- `clock.py`: when the run's round closes, from the peers' published progress (pure);
+- `events.py`, `machine.py`, `reasons.py`: the transition function (state, event) → actions (pure);
+- `facts.py`: what the run's status records say relative to us (pure);
+- `tokens.py`: the tokens behind our contribution, and how many reached θ_global (pure bookkeeping);
+- `pipeline.py`: the tensor side of a round for every overlap mode (runs in the trainer thread);
+- `ports.py`: the small protocols the daemon hands the driver (training, averaging, state sync, run
+  view, publisher); `driver.py` runs the machine through them, with `effects.py` (what a decision does),
+  `timing.py` (the clock while training) and `observe.py` (reading the run for a decision).
+Nothing here imports the daemon (`dilocod.processes`).
+"""

@@ -1,0 +1,234 @@
+"""The effects of the round machine's decisions: apply, keep, step back, record, publish, checkpoint.
+
+Each effect is a few lines on the parts the daemon handed in (ports), the pipeline (tensors), the token
+ledger and the observable state; no decision is taken here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from dilocod.config import Config
+from dilocod.diloco import OuterOptimizer
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.peerstate import PeerState, RoundRecord
+from dilocod.rounds.events import (
+    SUCCESS,
+    Apply,
+    Checkpoint,
+    Contributing,
+    Effect,
+    Keep,
+    Outcome,
+    Publish,
+    Record,
+    StepBack,
+    Warn,
+)
+from dilocod.rounds.pipeline import Contribution, RoundPipeline
+from dilocod.rounds.ports import Publisher, StateSyncing, Training
+from dilocod.rounds.tokens import TokenLedger
+from peers.group import RoundOutcome, incomplete_reason
+
+log = logging.getLogger("dilocod.rounds")
+
+FAILURES = frozenset(
+    {Outcome.NO_GROUP, Outcome.FAILED, Outcome.DIVERGED, Outcome.BANNED, Outcome.LATE, Outcome.SYNC_FAILED}
+)
+
+
+@dataclass
+class RoundContext:
+    """What the driver and the effects share about the round at hand."""
+
+    contribution: Contribution | None = None  # the contribution being settled
+    outcome: RoundOutcome | None = None  # its averaging outcome
+    sent_tokens: int = 0  # tokens behind that contribution
+    counted: float = 0.0  # of those, what reached θ_global
+
+
+class Effects:
+    def __init__(
+        self,
+        cfg: Config,
+        state: PeerState,
+        metrics: Metrics,
+        outer: OuterOptimizer,
+        pipeline: RoundPipeline,
+        tokens: TokenLedger,
+        context: RoundContext,
+        *,
+        training: Training,
+        sync: StateSyncing,
+        publisher: Publisher,
+    ) -> None:
+        self.cfg, self.state, self.metrics, self.outer = cfg, state, metrics, outer
+        self.pipeline, self.tokens, self.context = pipeline, tokens, context
+        self.training, self.sync, self.publisher = training, sync, publisher
+        self._contributed_reported = 0.0  # what the tokens-contributed counter holds
+
+    async def perform(self, effect: Effect) -> None:
+        if isinstance(effect, Apply):
+            await self.apply(effect.alone)
+        elif isinstance(effect, Keep):
+            await self.keep()
+        elif isinstance(effect, StepBack):
+            await self.step_back()
+        elif isinstance(effect, Record):
+            self.record(effect)
+        elif isinstance(effect, Contributing):
+            self.contributing(effect.reason)
+        elif isinstance(effect, Warn):
+            log.warning("%s", effect.text)
+        elif isinstance(effect, Publish):
+            await self.publisher.publish()
+        elif isinstance(effect, Checkpoint):
+            await self.publisher.checkpoint()
+        else:  # Launch is the driver's: it starts a round
+            raise TypeError(f"not an effect of this module: {effect!r}")
+
+    # ---- θ_global ------------------------------------------------------------------------------------------
+    async def apply(self, alone: bool) -> None:
+        contribution, outcome = self.context.contribution, self.context.outcome
+        assert contribution is not None, "an outer step needs the round's contribution"
+        if alone:
+            await self.training.run(lambda: self.pipeline.apply_alone(contribution))
+            self.context.counted = self.tokens.applied(None)
+        else:
+            assert outcome is not None and outcome.averaged is not None
+            averaged = outcome.averaged
+            await self.training.run(lambda: self.pipeline.apply(contribution, averaged))
+            self.context.counted = self.tokens.applied(outcome.my_weight)
+        self.state.alone = alone
+        self.new_global()
+        # The others' clocks and group sizes follow our record: publish the new round before evaluating.
+        await self.publisher.publish()
+        if self.outer.step % self.cfg.trainer.eval_every == 0:
+            self.state.eval_loss = await self.training.evaluate()
+            self.metrics.eval_loss.set(self.state.eval_loss)
+
+    async def keep(self) -> None:
+        contribution = self.context.contribution
+        if contribution is not None:
+            self.pipeline.keep(contribution)
+        self.tokens.kept()
+        self.context.counted = 0.0
+
+    async def step_back(self) -> None:
+        undone = self.outer.step
+        previous = await self.training.run(self.pipeline.step_back)
+        if previous is None:
+            return
+        for entry in self.state.history:
+            if entry.outer_step == undone and entry.result in SUCCESS:
+                entry.result = Outcome.UNDONE.value
+        self.new_global()
+        log.warning(
+            "every other peer is at outer step %d and none can fetch step %d from us (we are private): "
+            "stepping back to outer step %d (θ %s) to average with them; our inner progress is kept",
+            previous.step, undone, previous.step, previous.sha256[:12],
+        )  # fmt: skip
+
+    def new_global(self) -> None:
+        """θ_global changed: offer it to peers that re-sync, and show it."""
+        self.sync.share()
+        self.state.outer_step = self.outer.step
+        self.state.global_sha256 = self.outer.sha256
+        self.metrics.outer_step.set(self.outer.step)
+
+    # ---- what the run sees --------------------------------------------------------------------------------
+    def record(self, effect: Record) -> None:
+        outcome = effect.outcome
+        sent, received = self._bytes()
+        loss = self.state.loss if outcome in SUCCESS else None
+        entry = RoundRecord(
+            self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,
+            loss, self.state.eval_loss if outcome in SUCCESS else None, sent, received,
+            tokens=self.context.sent_tokens, tokens_counted=round(self.context.counted, 1),
+        )  # fmt: skip
+        self.state.history.append(entry)
+        self.metrics.rounds.labels(result=outcome.value).inc()
+        self._count(outcome, effect)
+        self._log(outcome, effect, entry)
+        self.context.outcome = None
+        self.context.sent_tokens, self.context.counted = 0, 0.0
+        self.sync_tokens()
+
+    def _bytes(self) -> tuple[int, int]:
+        outcome = self.context.outcome
+        return (0, 0) if outcome is None else (outcome.bytes_sent, outcome.bytes_received)
+
+    def _count(self, outcome: Outcome, effect: Record) -> None:
+        if outcome in SUCCESS:
+            self.state.rounds_ok += 1
+            self.state.group_size = effect.group_size
+            self.state.last_round_seconds = effect.seconds
+            self.metrics.group_size.set(effect.group_size)
+            self.metrics.round_seconds.observe(effect.seconds)
+        elif outcome in FAILURES:
+            self.state.rounds_failed += 1
+        elif outcome is Outcome.RESYNCED:
+            self.state.resyncs += 1
+            self.state.alone = False
+            self.metrics.resyncs.inc()
+
+    def _log(self, outcome: Outcome, effect: Record, entry: RoundRecord) -> None:
+        step = self.outer.step
+        if outcome is Outcome.OK:
+            eval_loss = "–" if self.state.eval_loss is None else f"{self.state.eval_loss:.4f}"
+            allreduce = self.context.outcome.allreduce_seconds if self.context.outcome is not None else 0.0
+            log.info(
+                "outer step %d: ok, group of %d, %d of our tokens counted, loss %.4f, eval %s, %.0f tokens/s, "
+                "round %.1fs (all-reduce %.1fs), θ %s",
+                step, effect.group_size, int(entry.tokens_counted), self.state.loss, eval_loss,
+                self.state.tokens_per_second, effect.seconds, allreduce, self.outer.sha256[:12],
+            )  # fmt: skip
+        elif outcome is Outcome.ALONE:
+            log.info("alone in the run: applied our own pseudo-gradient (outer step %d)", step)
+        elif outcome is Outcome.NO_GROUP:
+            log.info("no group at outer step %d; keeping our progress for the next round", step)
+        elif outcome is Outcome.FAILED:
+            reason = effect.detail or incomplete_reason(self._reducer_errors())
+            log.warning("round %d failed (%s); keeping our progress for the next round", step, reason)
+        elif outcome is Outcome.DIVERGED:
+            log.warning("our θ_global is not the run's at outer step %d: re-syncing", step)
+        elif outcome is Outcome.BANNED:
+            log.warning("round %d: most of our group bans us, our contribution did not count", step)
+        elif outcome is Outcome.LATE:
+            log.warning("the run closed round %d without us: re-syncing, keeping our progress", step)
+
+    def _reducer_errors(self) -> tuple[str, ...]:
+        outcome = self.context.outcome
+        return () if outcome is None else outcome.reducer_errors
+
+    def contributing(self, reason: str | None) -> None:
+        self.state.contributing = reason is None
+        self.state.not_contributing_reason = reason
+
+    def sync_tokens(self) -> None:
+        """Copy the ledger's numbers to the observable state and metrics."""
+        self.state.tokens_trained = self.tokens.trained
+        self.state.tokens_contributed = self.tokens.contributed
+        self.state.round_tokens = self.tokens.round
+        gained = self.tokens.contributed - self._contributed_reported
+        if gained > 0:  # a counter only moves up (a restart resumes the ledger, not the counter)
+            self.metrics.tokens_contributed.inc(gained)
+            self._contributed_reported = self.tokens.contributed
+        share = self.tokens.share
+        self.metrics.contribution_share.set(math.nan if share is None else share)
+
+    def open_round(self, opened: float | None = None) -> None:
+        """The run's clock starts timing a new round for us."""
+        self.tokens.new_round()
+        self.state.round_opened = time.time() if opened is None else opened
+        self.state.round_steps = 0
+        self.state.round_tokens = 0
+
+
+async def cancelled_quietly(task: asyncio.Task[object]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

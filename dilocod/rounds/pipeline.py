@@ -1,0 +1,200 @@
+"""The tensor side of a round, for every `outer.overlap` mode: what a peer sends and how it applies.
+
+One pipeline, three settings rather than three classes:
+
+- `none`: Δ = θ_global − θ_local over all tensors; an applied average becomes θ_global and the working
+  copy restarts from it.
+- `delayed`: the round averages while the next one trains. The working copy always equals θ_global −
+  (progress not yet in θ_global); a round sends the progress made since the last one was launched (plus
+  a launched round's progress that was not applied), and when an average lands a round late the
+  working copy becomes θ_global' − (progress since that launch). θ_global changes only by agreed
+  averages, so it stays bit-identical across the group.
+- `streaming` (Streaming DiLoCo, arXiv:2501.18512): the parameters are split into `outer.fragments`
+  fragments of whole tensors; the round at outer step s syncs fragment s mod fragments (Δ over its tensors
+  only, so only its bytes go on the wire) and averages while the next slot trains; an applied fragment
+  takes the Nesterov step and the working copy's fragment becomes α·local + (1 − α)·θ_global.
+
+With error feedback (int4/int2) a peer sends Δ + e and after an applied round keeps
+e ← (Δ + e) − decode(encode(Δ + e)) (per fragment with streaming); a round that was not applied leaves e
+as it was (the next Δ includes this one); applying alone pays e back in full; adopting another peer's
+θ_global forgets it. A private peer without overlap keeps θ_global and the momentum from before its last
+outer step, to step back to (`statesync/stepback.py`).
+
+Every method runs in the trainer thread (the driver sees to it); none does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dilocod.codecs import CodecError, ErrorFeedback, roundtrip
+from dilocod.codecs.base import Codec
+from dilocod.diloco import OuterOptimizer
+from dilocod.diloco.fragments import fragment_of, mix, split_fragments
+from dilocod.statesync.stepback import Previous
+from dilocod.trainer import InnerTrainer
+from dilocod.trust.adversary import Adversary
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    overlap: str = "none"  # none | delayed | streaming
+    fragments: int = 1  # streaming: how many fragments take turns
+    mix_alpha: float = 0.5  # streaming: weight of the local copy when a fragment's θ_global lands
+    keep_previous: bool = False  # keep θ_global before each outer step (private peers, no overlap)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One round's pseudo-gradient as it leaves the peer."""
+
+    step: int  # the outer step it is measured from (the group key)
+    fragment: int  # which fragment (0 without streaming)
+    indices: list[int] | None  # the fragment's tensors (None: all)
+    delta: list[torch.Tensor]  # what we send honestly: Δ (+ the error-feedback residual)
+    sent: list[torch.Tensor]  # what goes on the wire (an adversary's lie, or `delta`)
+    progress: list[torch.Tensor] | None = None  # delayed: the round's raw progress, resent if not applied
+
+
+class RoundPipeline:
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        trainer: InnerTrainer,
+        outer: OuterOptimizer,
+        feedback: ErrorFeedback | None,
+        adversary: Adversary,
+        codec: Codec | None,
+    ) -> None:
+        self.settings, self.trainer, self.outer = settings, trainer, outer
+        self.feedback, self.adversary, self.codec = feedback, adversary, codec
+        streaming = settings.overlap == "streaming"
+        sizes = [p.numel() for p in outer.params]
+        self.fragments = split_fragments(sizes, settings.fragments) if streaming else None
+        self._start: list[torch.Tensor] | None = None  # delayed: working copy at the last launch
+        self._kept: list[torch.Tensor] | None = None  # delayed: a launched round's progress, not applied
+        self.previous: Previous | None = None
+
+    @property
+    def fragment_count(self) -> int:
+        return 1 if self.fragments is None else len(self.fragments)
+
+    def fragment_at(self, step: int) -> tuple[int, list[int] | None]:
+        if self.fragments is None:
+            return 0, None
+        index = fragment_of(step, len(self.fragments))
+        return index, self.fragments[index]
+
+    # ---- sending -----------------------------------------------------------------------------------------
+    def contribution(self) -> Contribution:
+        """This round's pseudo-gradient at our outer step."""
+        fragment, indices = self.fragment_at(self.outer.step)
+        local = self.trainer.working_params_fp32()
+        progress = None
+        if self.settings.overlap == "delayed":
+            start = self._start if self._start is not None else self.outer.params
+            raw = progress = [s - t for s, t in zip(start, local)]
+            if self._kept is not None:  # a launched round that was not applied goes out again with this one
+                raw = progress = [p + k for p, k in zip(progress, self._kept)]
+                self._kept = None
+            self._start = local
+        elif indices is not None:
+            raw = [torch.sub(self.outer.params[i], local[i]) for i in indices]
+        else:
+            raw = self.outer.pseudo_gradient(local)
+        delta = raw if self.feedback is None else self._feedback(indices).compensate(raw)
+        sent = self._corrupt(delta, indices) if self.adversary.active else delta
+        return Contribution(self.outer.step, fragment, indices, delta, sent, progress)
+
+    def _corrupt(self, delta: list[torch.Tensor], indices: list[int] | None) -> list[torch.Tensor]:
+        if indices is None:
+            return self.adversary.corrupt_delta(delta)
+        # adversary modes keep per-parameter history: give them whole, zero-padded lists
+        whole = [torch.zeros_like(p) for p in self.outer.params]
+        for i, d in zip(indices, delta):
+            whole[i] = d
+        corrupted = self.adversary.corrupt_delta(whole)
+        return [corrupted[i] for i in indices]
+
+    # ---- settling ----------------------------------------------------------------------------------------
+    def apply(self, contribution: Contribution, averaged: list[torch.Tensor]) -> None:
+        """Take the outer step with the group's average (the same bytes on every member)."""
+        self._keep_previous()
+        self.outer.apply(averaged, contribution.indices)
+        self._merge_working_copy(contribution)
+        self._settle_feedback(contribution, contribution.delta)
+
+    def apply_alone(self, contribution: Contribution) -> None:
+        """No other trainer is alive: our own Δ is the round's average; nothing is owed any more."""
+        self._keep_previous()
+        self.outer.apply(contribution.delta, contribution.indices)
+        self._merge_working_copy(contribution)
+        self._settle_feedback(contribution, None)
+
+    def keep(self, contribution: Contribution) -> None:
+        """The round was not applied: its progress is still ours (Δ is measured from the same θ_global)."""
+        if self.settings.overlap == "delayed":
+            self._kept = contribution.progress
+
+    def adopted(self) -> None:
+        """θ_global was replaced by a download (the working copy rebased or reset by the state sync)."""
+        self._start = self._kept = None
+        self.previous = None
+        if self.feedback is not None:  # the residual belonged to the θ_global we left
+            self.feedback.reset()
+
+    def step_back(self) -> Previous | None:
+        """Go back to the θ_global and momentum held before our last outer step; the working copy is left
+        as it is, so the progress made since goes out with the next round. Returns what we went back to."""
+        previous, self.previous = self.previous, None
+        if previous is None:
+            return None
+        self.outer.load_state(previous.step, previous.tensors)
+        if self.feedback is not None:  # the residual was measured against the step we undid
+            self.feedback.reset()
+        return previous
+
+    # ---- internals ---------------------------------------------------------------------------------------
+    def _keep_previous(self) -> None:
+        if not self.settings.keep_previous:
+            return
+        tensors = [t.clone() for t in self.outer.state_tensors()]
+        self.previous = Previous(self.outer.step, self.outer.sha256, tensors)
+
+    def _merge_working_copy(self, contribution: Contribution) -> None:
+        overlap = self.settings.overlap
+        if overlap == "none":
+            self.trainer.load_params(self.outer.params)  # the working copy restarts from θ_global
+            return
+        local = self.trainer.working_params_fp32()
+        if overlap == "delayed":  # keep the progress made since this round was launched
+            assert self._start is not None, "a delayed round is applied only after it was launched"
+            since = [s - t for s, t in zip(self._start, local)]
+            self._start = None  # the next round's progress is measured from θ_global
+            self.trainer.load_params([g - c for g, c in zip(self.outer.params, since)])
+            return
+        for i in contribution.indices or ():
+            local[i] = mix(local[i], self.outer.params[i], self.settings.mix_alpha)
+        self.trainer.load_params(local)
+
+    def _feedback(self, indices: list[int] | None) -> ErrorFeedback:
+        assert self.feedback is not None
+        if indices is None:
+            return self.feedback
+        view = ErrorFeedback([])  # the residuals of one fragment's tensors, shared with the whole
+        view.residual = [self.feedback.residual[i] for i in indices]
+        return view
+
+    def _settle_feedback(self, contribution: Contribution, sent: list[torch.Tensor] | None) -> None:
+        if self.feedback is None:
+            return
+        feedback = self._feedback(contribution.indices)
+        if sent is None or self.codec is None:  # applied in full: nothing is owed any more
+            feedback.reset()
+            return
+        try:
+            feedback.update(sent, roundtrip(self.codec, sent))
+        except CodecError:  # a non-finite contribution, screened out by every reducer: nothing to carry
+            feedback.reset()

@@ -1,0 +1,78 @@
+"""What the round driver needs from the rest of the peer, as small protocols the daemon hands in.
+
+The driver never sees the daemon: it trains through `Training`, averages through `Averaging`, re-syncs
+through `StateSyncing`, reads the run through `RunView` and publishes and checkpoints through
+`Publisher`. Tests hand in fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from dilocod.rounds.pipeline import Contribution
+from dilocod.statesync.catchup import SyncResult
+from dilocod.trainer import StepStats
+from peers.group import RoundOutcome
+
+T = TypeVar("T")
+
+
+class Training(Protocol):
+    """The trainer thread: inner steps, and any other tensor work on the model."""
+
+    async def train(self, should_stop: Callable[[], bool]) -> StepStats:
+        """Take inner steps until `should_stop()` says so before a step (always at least one step, unless
+        the peer is stopping)."""
+        ...
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the trainer thread (every read or write of the model goes through it)."""
+        ...
+
+    async def evaluate(self) -> float:
+        """Held-out loss of the working copy (called right after θ_global was applied to it)."""
+        ...
+
+
+class Averaging(Protocol):
+    @property
+    def in_allreduce(self) -> bool:
+        """Tensors are being exchanged right now: leaving would cost the group its parts."""
+        ...
+
+    async def average(self, contribution: Contribution, ticket: bytes, group_target: int) -> RoundOutcome:
+        """Average a contribution with the group at its outer step (groups of up to `group_target`)."""
+        ...
+
+    async def judge(self, outcome: RoundOutcome) -> None:
+        """Count and ban the peers a round caught lying (screened senders, implausible reducers)."""
+        ...
+
+
+class StateSyncing(Protocol):
+    async def catch_up(self, min_step: int) -> SyncResult: ...
+
+    def share(self) -> None:
+        """Offer our (new) θ_global and momentum to peers that re-sync."""
+        ...
+
+
+class RunView(Protocol):
+    async def records(self) -> list[dict[str, Any]]:
+        """The run's live status records (every role), validated."""
+        ...
+
+    async def helpers(self) -> list[dict[str, Any]]:
+        """The live records of auxiliary reducers (the bootstrap, helpers)."""
+        ...
+
+
+class Publisher(Protocol):
+    async def publish(self) -> None:
+        """Publish our status record now."""
+        ...
+
+    async def checkpoint(self) -> None:
+        """Write a checkpoint (it may finish in the background)."""
+        ...

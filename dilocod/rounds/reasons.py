@@ -1,0 +1,44 @@
+"""Why a peer is not contributing: the one line it logs (once) and shows in `/api/status`.
+
+A peer whose work does not reach θ_global must never be silent about it. After a few rounds in a row
+without a successful round while other trainers are live, the round machine asks for the reason it can
+tell, most specific first: settings that differ from the run's (it can never meet the others), a ban,
+no reducer for a peer behind NAT, lagging behind the run's clock, then what its rounds ended as.
+"""
+
+from __future__ import annotations
+
+from dilocod.rounds.events import Outcome, RunFacts
+
+
+def not_contributing_reason(outcome: Outcome, facts: RunFacts, *, private: bool) -> str:
+    if facts.other_settings is not None:
+        return (
+            f"other settings than the run: every other peer reports settings hash {facts.other_settings} "
+            "(compare the model, data, round, outer, overlap, compression and reducer settings with theirs)"
+        )
+    if outcome is Outcome.BANNED:
+        return "banned: most of our group refuses our contributions (see the bans in its peers' logs)"
+    if private and facts.reducers == 0:
+        return (
+            "no reducer reachable: behind NAT we average only through a public peer or a reducing bootstrap "
+            "(run `dilocod bootstrap` without --no-reduce, or with --relay)"
+        )
+    if facts.late_by is not None and facts.late_by > 0:
+        return (
+            f"behind the run's clock by {facts.late_by:.1f}s: its rounds close before we reach them "
+            "(a slow link or state download, or this machine paused)"
+        )
+    return _by_outcome(outcome)
+
+
+def _by_outcome(outcome: Outcome) -> str:
+    if outcome is Outcome.LATE:
+        return "behind the run's clock: its rounds close before we reach them"
+    if outcome is Outcome.FAILED:
+        return "our groups' rounds fail before they complete (see the round warnings above)"
+    if outcome is Outcome.DIVERGED:
+        return "our θ_global keeps differing from the run's, and re-syncing does not fix it"
+    if outcome is Outcome.SYNC_FAILED:
+        return "we cannot download θ_global from any peer to get back in step"
+    return "no group forms with us at the run's rounds (are the other peers reachable?)"

@@ -1,0 +1,238 @@
+"""The round driver (dilocod/rounds/driver.py) on fake ports: whole rounds, re-syncs and stops, without a
+network or processes. The tensors are real (a real outer optimizer and pipeline on a tiny working copy)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from dilocod.config import load_config
+from dilocod.diloco import OuterOptimizer
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.peerstate import PeerState
+from dilocod.rounds.clock import ClockSettings
+from dilocod.rounds.driver import Parts, RoundDriver
+from dilocod.rounds.machine import MachineSettings
+from dilocod.rounds.pipeline import Contribution, PipelineSettings, RoundPipeline
+from dilocod.rounds.tokens import TokenLedger
+from dilocod.statesync.catchup import SyncResult
+from dilocod.trainer import StepStats
+from dilocod.trust.adversary import Adversary
+from dilocod.trust.bans import BanList
+from peers.group import RoundOutcome
+
+T = TypeVar("T")
+TOKENS_PER_STEP = 100
+
+
+class FakeTrainer:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = [p.clone() for p in params]
+
+    def working_params_fp32(self) -> list[torch.Tensor]:
+        return [p.clone() for p in self.params]
+
+    def load_params(self, tensors: list[torch.Tensor]) -> None:
+        self.params = [t.clone() for t in tensors]
+
+
+class FakeTraining:
+    """Each inner step moves the working copy by −0.01 and counts its tokens, until told to stop."""
+
+    def __init__(self, trainer: FakeTrainer, ledger: TokenLedger, state: PeerState) -> None:
+        self.trainer, self.ledger, self.state = trainer, ledger, state
+        self.steps = 0
+
+    async def train(self, should_stop: Callable[[], bool]) -> StepStats:
+        taken = 0
+        while taken == 0 or not should_stop():
+            await asyncio.sleep(0.01)
+            self.trainer.params = [p - 0.01 for p in self.trainer.params]
+            self.ledger.stepped(TOKENS_PER_STEP, 0.01)
+            self.state.tokens_per_second = TOKENS_PER_STEP / 0.01
+            taken += 1
+            if taken > 1000:
+                raise AssertionError("the clock never closed the round")
+        self.steps += taken
+        return StepStats(taken, 1.0, taken * TOKENS_PER_STEP, taken * 0.01)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+class FakeAveraging:
+    """Answers each round from a script: a function of the contribution."""
+
+    def __init__(self, script: deque[Callable[[Contribution], RoundOutcome]]) -> None:
+        self.script, self.in_allreduce = script, False
+        self.seen: list[tuple[int, bytes]] = []
+
+    async def average(self, contribution: Contribution, ticket: bytes, group_target: int) -> RoundOutcome:
+        self.seen.append((contribution.step, ticket))
+        answer = self.script.popleft() if self.script else no_group
+        return answer(contribution)
+
+    async def judge(self, outcome: RoundOutcome) -> None:
+        return None
+
+
+class FakeSync:
+    def __init__(self, outer: OuterOptimizer, results: deque[int]) -> None:
+        self.outer, self.results, self.shared = outer, results, 0
+
+    async def catch_up(self, min_step: int) -> SyncResult:
+        start = self.outer.step
+        if not self.results:
+            return SyncResult(False, start, start)
+        step = self.results.popleft()
+        self.outer.load_state(step, [*self.outer.params, *self.outer.momentum])
+        return SyncResult(True, step, start, kept_progress=True, donor="donor")
+
+    def share(self) -> None:
+        self.shared += 1
+
+
+class FakeView:
+    def __init__(self) -> None:
+        self.others: list[dict[str, Any]] = []
+
+    async def records(self) -> list[dict[str, Any]]:
+        return list(self.others)
+
+    async def helpers(self) -> list[dict[str, Any]]:
+        return []
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.published = self.checkpoints = 0
+
+    async def publish(self) -> None:
+        self.published += 1
+
+    async def checkpoint(self) -> None:
+        self.checkpoints += 1
+
+
+def ok(contribution: Contribution) -> RoundOutcome:
+    averaged = [d * 0.5 for d in contribution.delta]
+    return RoundOutcome(True, 3, 3, True, True, averaged, 0.1, majority_size=3, my_weight=150.0)
+
+
+def no_group(contribution: Contribution) -> RoundOutcome:
+    return RoundOutcome(False, 0, 0, False, False, None, 0.1, error="could not find a group")
+
+
+def peer_record(step: int) -> dict[str, Any]:
+    return {
+        "role": "peer",
+        "peer_id": "other",
+        "outer_step": step,
+        "global_sha256": "f" * 64,
+        "time": time.time(),
+    }
+
+
+class Rig:
+    def __init__(self, overlap: str = "none", script: list[Callable[[Contribution], RoundOutcome]] | None = None,
+                 syncs: list[int] | None = None) -> None:  # fmt: skip
+        cfg = load_config(None, [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10"])
+        self.state = PeerState(peer_id="me", run_id=cfg.run.id)
+        self.outer = OuterOptimizer([torch.ones(4), torch.zeros(3)], cfg.outer)
+        self.trainer = FakeTrainer(self.outer.params)
+        self.ledger = TokenLedger()
+        pipeline = RoundPipeline(
+            PipelineSettings(overlap=overlap),
+            self.trainer,
+            self.outer,
+            None,
+            Adversary(cfg.adversary, 0),
+            None,  # type: ignore[arg-type]
+        )
+        self.training = FakeTraining(self.trainer, self.ledger, self.state)
+        self.averaging = FakeAveraging(deque(script or []))
+        self.sync = FakeSync(self.outer, deque(syncs or []))
+        self.view, self.publisher = FakeView(), FakePublisher()
+        parts = Parts(self.training, self.averaging, self.sync, self.view, self.publisher)
+        clock = ClockSettings(target_tokens=500, reference_tokens=500, max_seconds=30, stale_after=10)
+        self.driver = RoundDriver(
+            cfg, self.state, Metrics(), self.outer, pipeline, self.ledger, BanList(None), parts,
+            MachineSettings(overlapped=overlap != "none"), clock,
+        )  # fmt: skip
+
+    def run_until(self, done: Callable[[], bool], timeout: float = 20.0) -> None:
+        async def main() -> None:
+            stopping = asyncio.Event()
+            task = asyncio.create_task(self.driver.run(stopping))
+            deadline = time.monotonic() + timeout
+            while not done() and time.monotonic() < deadline and not task.done():
+                await asyncio.sleep(0.01)
+            stopping.set()
+            await asyncio.wait_for(task, 10)
+
+        asyncio.run(main())
+
+    def results(self) -> list[str]:
+        return [r.result for r in self.state.history]
+
+
+def test_rounds_apply_the_group_average_and_count_our_tokens() -> None:
+    rig = Rig(script=[ok, ok])
+    rig.view.others = [peer_record(0)]
+    rig.run_until(lambda: rig.outer.step >= 2)
+    assert rig.results()[:2] == ["ok", "ok"] and rig.outer.step >= 2
+    first = rig.state.history[0]
+    assert first.tokens >= 500 and first.tokens_counted == 150.0  # the weight the group gave us
+    assert rig.state.tokens_contributed >= 300 and rig.state.contributing
+    assert rig.publisher.checkpoints >= 2 and rig.publisher.published >= 2 and rig.sync.shared >= 2
+    assert rig.state.round_opened > 0 and rig.state.round_closes_in() is not None
+
+
+def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens() -> None:
+    rig = Rig(script=[ok], syncs=[7])
+    rig.view.others = [peer_record(7)]  # the run is at step 7; we are at 0
+    rig.run_until(lambda: rig.outer.step >= 8)
+    assert rig.results()[:2] == ["resynced", "ok"], rig.results()
+    assert rig.outer.step >= 8 and rig.ledger.trained > 0
+
+
+def test_no_group_keeps_the_progress_and_the_tokens_for_the_next_round() -> None:
+    rig = Rig(script=[no_group, ok])
+    rig.view.others = [peer_record(0)]
+    rig.run_until(lambda: rig.outer.step >= 1)
+    assert rig.results()[:2] == ["no_group", "ok"]
+    kept, applied = rig.state.history[0], rig.state.history[1]
+    assert applied.tokens > kept.tokens  # the second contribution carried the first round's tokens
+
+
+def test_alone_when_nobody_is_alive() -> None:
+    rig = Rig(script=[no_group])
+    rig.driver.observer.others_seen_at = -1e9
+    rig.run_until(lambda: rig.outer.step >= 1)
+    assert rig.results()[0] == "alone" and rig.state.alone
+
+
+def test_delayed_overlap_averages_while_the_next_round_trains() -> None:
+    rig = Rig(overlap="delayed", script=[ok, ok, ok])
+    rig.view.others = [peer_record(0)]
+    rig.run_until(lambda: rig.outer.step >= 2)
+    assert rig.results()[:2] == ["ok", "ok"]
+    assert [step for step, _ in rig.averaging.seen[:3]] == [0, 1, 2]  # one round in flight at a time
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_stop_ends_the_loop_promptly(overlap: str) -> None:
+    rig = Rig(overlap=overlap, script=[ok] * 100)
+    rig.view.others = [peer_record(0)]
+    started = time.monotonic()
+    rig.run_until(lambda: False, timeout=1.0)
+    assert time.monotonic() - started < 5.0

@@ -1,0 +1,121 @@
+"""Unequal machines on the run's clock, through the CLI: a slower peer counts, a frozen peer is back
+within two rounds of its thaw, equal peers stay in one full group, and more peers than
+`averaging.group_size` still make one θ_global per round.
+
+Every peer closes each round when the run's clock (dilocod/rounds/clock.py) says the run's tokens are
+in, so the group meets at once; contributions are weighted by their tokens.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.harness import Swarm, round_hashes, wait_for
+
+pytestmark = pytest.mark.integration
+
+# Rounds of ~10 inner steps of a reference peer: long enough that a round's fixed cost (matchmaking and
+# the all-reduce, ~1 s on a loaded 2-core machine) leaves the fast peers ≥ 80 % of their time in steps.
+LONG_ROUNDS = ("trainer.inner_steps=40",)
+
+
+def ok_steps(status: dict[str, Any], size: int | None = None) -> set[int]:
+    """Outer steps this peer reached in a successful round (of `size` trainers, if given)."""
+    return {
+        e["outer_step"]
+        for e in status["rounds"]
+        if e["result"] == "ok" and (size is None or e["group_size"] == size)
+    }
+
+
+def assert_one_theta_per_step(statuses: list[dict[str, Any]]) -> None:
+    for step, found in round_hashes(statuses).items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
+
+
+def test_a_slower_peer_counts_and_a_frozen_one_is_back_within_two_rounds(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(3, *LONG_ROUNDS)
+    for peer in s.peers:
+        s.wait_serving(peer)
+    slow, fast = s.peers[2], s.peers[:2]
+    slow.throttle(0.5)  # runs half of the time: each of its inner steps takes ~2× as long
+    start = max(p.status()["outer_step"] for p in s.peers)
+    statuses = s.wait_all_at(start + 11, timeout=420)
+    assert_one_theta_per_step(statuses)
+
+    # The run's successful rounds since the throttle (those the fast peers applied together) …
+    run_rounds = set.intersection(*(ok_steps(st) for st in statuses[:2])) - set(range(start + 2))
+    assert len(run_rounds) >= 8, run_rounds
+    # … have the slow peer in ≥ 80 % of them, and ≥ 80 % of its tokens reached θ_global.
+    slow_status = statuses[2]
+    assert len(run_rounds & ok_steps(slow_status)) >= 0.8 * len(run_rounds), (
+        run_rounds,
+        slow_status["rounds"],
+    )
+    assert slow_status["contribution_share"] >= 0.8, slow_status["contribution_share"]
+    # Its contributions count by their tokens: about half a fast peer's.
+    tokens = {
+        name: [e["tokens"] for e in st["rounds"] if e["result"] == "ok" and e["outer_step"] in run_rounds]
+        for name, st in (("fast", statuses[0]), ("slow", slow_status))
+    }
+    assert sum(tokens["slow"]) < 0.8 * sum(tokens["fast"]), tokens
+    for st in statuses[:2]:  # the fast peers never wait for the slow one
+        assert st["compute_utilization"] >= 0.8, (st["peer_id"], st["compute_utilization"])
+        assert st["contributing"] and st["not_contributing_reason"] is None
+
+    # A peer frozen for 6 s (SIGSTOP: its process, not its network children) is in a successful round
+    # again within two rounds of its thaw.
+    slow.unthrottle()
+    frozen = fast[1]
+    assert frozen.popen is not None
+    frozen.popen.send_signal(signal.SIGSTOP)
+    time.sleep(6)
+    frozen.popen.send_signal(signal.SIGCONT)
+    thawed_at = max(p.status()["outer_step"] for p in (fast[0], slow))
+    back = wait_for(
+        "the thawed peer in a successful round",
+        lambda: [step for step in ok_steps(frozen.status()) if step > thawed_at],
+        180,
+    )
+    assert min(back) <= thawed_at + 2, (thawed_at, sorted(back))
+    assert_one_theta_per_step([p.status() for p in s.peers])
+
+
+def test_equal_peers_stay_in_one_full_group(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(4)
+    statuses = s.wait_all_at(1, timeout=240)
+    first_full = max(st["outer_step"] for st in statuses) + 1  # from once all four train
+    statuses = s.wait_all_at(first_full + 15, timeout=300)
+    assert_one_theta_per_step(statuses)
+    peer_rounds = [e for st in statuses for e in st["rounds"] if e["outer_step"] > first_full]
+    full = [e for e in peer_rounds if e["result"] == "ok" and e["group_size"] == 4]
+    assert len(full) >= 0.95 * len(peer_rounds), sorted(
+        (e["outer_step"], e["result"], e["group_size"]) for e in peer_rounds if e not in full
+    )
+
+
+def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(6, "averaging.group_size=3")
+    statuses = s.wait_all_at(2, timeout=300)
+    start = max(st["outer_step"] for st in statuses)
+    statuses = s.wait_all_at(start + 5, timeout=300)
+    assert_one_theta_per_step(statuses)
+    # Every round from then on included every peer: nobody's group won over another's.
+    members: dict[int, int] = defaultdict(int)
+    for st in statuses:
+        for step in ok_steps(st):
+            members[step] += 1
+    rounds = [step for step in members if start < step <= start + 5]
+    assert rounds and all(members[step] == 6 for step in rounds), dict(members)
+    assert all(
+        e["group_size"] == 6
+        for st in statuses
+        for e in st["rounds"]
+        if e["result"] == "ok" and e["outer_step"] in rounds
+    )
