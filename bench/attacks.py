@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.attackrun import common_step, mean_eval, start_run  # noqa: E402
 
-ATTACKS = ["sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor"]
+ATTACKS = [
+    "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor", "inflate_tokens",
+]  # fmt: skip
 REDUCERS = ["mean", "trimmed_mean", "median", "centered_clip"]
 
 

@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent.parent
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--speeds", default="1,1,0.667,0.333", help="one per peer: share of the time it runs")
+    parser.add_argument("--peers", type=int, default=0, help="N equal peers instead of --speeds (scale runs)")
     parser.add_argument("--seconds", type=float, default=240.0, help="training time measured")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     sys.path.insert(0, str(args.repo))
     from tests import harness  # noqa: PLC0415  (the chosen checkout's harness)
 
-    speeds = [float(x) for x in args.speeds.split(",")]
+    speeds = [1.0] * args.peers if args.peers else [float(x) for x in args.speeds.split(",")]
     s = harness.Swarm(root, overrides=(*harness.FAST, *args.overrides))
     try:
         s.start_bootstrap()
@@ -129,6 +130,8 @@ def summarize(
             statistics.mean(p["compute_utilization"] for p in peers if p["speed"] >= 1), 3
         ),
         "in_run_round": in_run_round(statuses),
+        "reached_share": reached_share(statuses),
+        "close_to_applied": close_to_applied(statuses),
         "eval_loss": min((p["eval_loss"] for p in peers if p["eval_loss"] is not None), default=None),
         "outer_steps": max(p["outer_step"] for p in peers),
         "peers": peers,
@@ -153,6 +156,29 @@ def in_run_round(statuses: list[dict[str, Any]]) -> float:
     return round(len(full) / max(1, len(entries)), 3)
 
 
+def reached_share(statuses: list[dict[str, Any]]) -> float:
+    """Share of (peer, outer step) pairs, over the steps the run made after its first full round, in which
+    the peer reached the step's θ_global by averaging (an `ok` round), whatever its group's size."""
+    n = len(statuses)
+    oks = [{e["outer_step"] for e in st["rounds"] if e["result"] == "ok"} for st in statuses]
+    full = {
+        e["outer_step"]
+        for st in statuses
+        for e in st["rounds"]
+        if e["result"] == "ok" and e["group_size"] == n
+    }
+    if not full:
+        return 0.0
+    steps = {step for ok in oks for step in ok if step > min(full)}
+    return round(sum(len(ok & steps) for ok in oks) / max(1, n * len(steps)), 3)
+
+
+def close_to_applied(statuses: list[dict[str, Any]]) -> float | None:
+    """Median seconds from a round's close to its average (matchmaking + all-reduce) over applied rounds."""
+    seconds = [e["seconds"] for st in statuses for e in st["rounds"] if e["result"] == "ok"]
+    return round(statistics.median(seconds), 3) if seconds else None
+
+
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # reap the swarm through `finally`
@@ -164,7 +190,8 @@ def main() -> None:
     print(
         f"speeds {args.speeds}, {args.seconds:.0f}s: useful compute {result['useful_compute']:.3f}, "
         f"fast peers' utilization {result['fast_utilization']:.3f}, peer-rounds in the run's round "
-        f"{result['in_run_round']:.3f}, {result['outer_steps']} outer steps, eval loss {result['eval_loss']}"
+        f"{result['in_run_round']:.3f} (reached θ_global: {result['reached_share']:.3f}), close to applied "
+        f"{result['close_to_applied']}s, {result['outer_steps']} outer steps, eval loss {result['eval_loss']}"
     )
     for p in result["peers"]:
         print(

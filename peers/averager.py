@@ -16,7 +16,6 @@ host. What it adds:
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +24,6 @@ import torch
 from hivemind.averaging import averager as averager_module
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -35,77 +33,10 @@ from hivemind.utils.mpfuture import MPFuture
 
 from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
 from peers.auth import RunAuth
+from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
-
-
-def chunk_timeout(allreduce_timeout: float, request_timeout: float) -> float:
-    """How long an all-reduce waits for a peer's next chunk before giving up on that peer."""
-    return max(request_timeout, allreduce_timeout / 4)
-
-
-def share_by_bandwidth(total_size: int, bandwidths: Sequence[float | None]) -> tuple[int, ...]:
-    """How many values each member reduces: in proportion to its stated download bandwidth.
-
-    Every sender sends each reducer that reducer's share and gets its average back, so a reducer's
-    traffic grows with its share and ∝ bandwidth gives every reducer the same time. (hivemind's linear
-    program instead counts each reducer as also sending a whole vector of its own, which an auxiliary
-    reducer does not, and so gives a slower reducer nothing at all.) 0 = reduces nothing; None = the
-    mean of the stated ones, or equal shares when nobody states one.
-    """
-    stated = [b for b in bandwidths if b is not None and b > 0]
-    default = sum(stated) / len(stated) if stated else 1.0
-    scores = [default if b is None else max(0.0, b) for b in bandwidths]
-    if not any(scores):
-        raise AllreduceException("no member of the group can reduce")
-    return tuple(int(n) for n in hagenbach_bishoff(total_size, scores))
-
-
-# Which wire protocol a round speaks: peers of another version never share a matchmaking key (a v2 peer's
-# ticket has no tokens; see proto.ROUND_TICKET), so they never meet rather than fail each other's rounds.
-ROUND_PROTOCOL = "dilocod.round.3"
-
-
-def round_group_bits(
-    round_index: int, codec_name: str | None = None, subset: Sequence[int] | None = None
-) -> str:
-    """Group-key bits that put only peers at the same outer step into the same matchmaking bucket.
-
-    32 bits of the step, then 16 bits from a hash of the round protocol, the codec's name (peers whose
-    parts would not decode for each other look for groups under different keys) and, for one fragment,
-    its tensor indices (only peers averaging the very same tensors meet).
-    """
-    bits = format(round_index % 2**32, "032b")
-    name = f"{ROUND_PROTOCOL}.codec.{codec_name}"
-    if subset is not None:
-        name += ".tensors." + ",".join(str(i) for i in subset)
-    tag = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
-    return bits + format(tag, "016b")
-
-
-def reducer_bandwidths(
-    bandwidths: Sequence[float | None],
-    modes: Sequence[AveragingMode],
-    trusted: Sequence[bool],
-    max_trainers: int | None,
-) -> list[float | None]:
-    """Which members reduce a share of the parts (0.0: none), in the group's order.
-
-    Only trusted members reduce: a member outside the group's majority (out of step, or banned by most)
-    would otherwise still average a share of everybody's parts. Auxiliary reducers always reduce. Of the
-    trainers, at most `max_trainers` do (the first in the group's order, which every member shares): a
-    group holds every live trainer of the run, and capping its reducers caps the streams each member
-    opens and the members whose failure can cut a round short.
-    """
-    shares: list[float | None] = []
-    trainers = 0
-    for bandwidth, mode, ok in zip(bandwidths, modes, trusted):
-        reduces = mode == AveragingMode.AUX
-        if mode == AveragingMode.NODE and ok and (max_trainers is None or trainers < max_trainers):
-            reduces, trainers = True, trainers + 1
-        shares.append(bandwidth if reduces else 0.0)
-    return shares
 
 
 class BanAwareMatchmaking(Matchmaking):

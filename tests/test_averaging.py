@@ -163,10 +163,23 @@ def test_no_group_returns_quickly_when_alone(trio: list[GroupAverager]) -> None:
 
 
 def test_reducers_share_the_parts_in_proportion_to_their_bandwidth() -> None:
-    from peers.averager import share_by_bandwidth
+    from peers.grouping import share_by_bandwidth
 
     assert share_by_bandwidth(4000, [100.0, 300.0, 0.0, 0.0]) == (1000, 3000, 0, 0)
     assert share_by_bandwidth(900, [None, None, None]) == (300, 300, 300)  # nobody says: equal
     shares = share_by_bandwidth(1000, [None, 100.0, 300.0, 0.0])  # None = the mean of the stated ones
     assert shares[2] == 500 and shares[3] == 0 and abs(shares[0] - 2 * shares[1]) <= 2
     assert sum(share_by_bandwidth(12_345, [1.0, 2.0, 3.0])) == 12_345
+
+
+def test_at_most_group_size_trusted_trainers_reduce() -> None:
+    from peers.grouping import reducer_bandwidths
+
+    node, client, aux = AveragingMode.NODE, AveragingMode.CLIENT, AveragingMode.AUX
+    modes = [node, node, client, node, aux, node]
+    trusted = [True, False, True, True, True, True]
+    # The untrusted member, the client and every trainer past the cap reduce nothing; helpers always do.
+    assert reducer_bandwidths([10.0, 20.0, 30.0, None, 50.0, 60.0], modes, trusted, 2) == [
+        10.0, 0.0, 0.0, None, 50.0, 0.0,
+    ]  # fmt: skip
+    assert reducer_bandwidths([1.0] * 6, modes, trusted, None) == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]

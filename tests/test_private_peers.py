@@ -53,7 +53,7 @@ def test_without_a_public_reducer_private_peers_are_told_why(tmp_path: Path) -> 
             log = peer.run_dir / "dilocod.log"  # type: ignore[operator]
             wait_for(
                 "the 'no public reducer' explanation",
-                lambda log=log: log.exists() and "no public reducer in run" in log.read_text(),
+                lambda log=log: log.exists() and "no public reducer in this run" in log.read_text(),
                 180,
             )
     finally:

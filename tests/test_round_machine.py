@@ -109,6 +109,7 @@ TABLE: list[tuple[str, MachineSettings, RoundState, object, Outcome | None, Acti
     ("overlap: launch at the close", OVERLAP, AT5, Closed(PEERS), None, Train(), 5),
     ("overlap: settle the round in flight", OVERLAP, replace(AT5, in_flight=True), Closed(PEERS), None, AwaitRound(), 5),
     ("overlap: applied, launch the next", OVERLAP, AT5, Averaged(OK, PEERS), Outcome.OK, Train(), 6),
+    ("overlap: re-synced, launch at once", OVERLAP, AT5, Synced(True, 8), Outcome.RESYNCED, Train(), 8),
     ("stop", PLAIN, AT5, Stopping(), None, Stop(), 5),
     ("stopped stays stopped", PLAIN, replace(AT5, stopped=True), Closed(PEERS), None, Stop(), 5),
 ]  # fmt: skip
@@ -167,6 +168,9 @@ def test_overlap_launches_the_next_round_after_settling() -> None:
     assert actions[-2:] == [Launch(), Train()] and after.in_flight and after.round == 7
     after, actions = transition(AT5, Closed(PEERS), OVERLAP)
     assert actions == [Launch(), Train()] and after.in_flight and after.round == 6
+    # After a re-sync the run's group at the adopted step is forming: meet it now, not a round late.
+    after, actions = transition(AT5, Synced(True, 8), OVERLAP)
+    assert actions[-2:] == [Launch(), Train()] and after.in_flight and after.round == 9
 
 
 def test_checkpoints_come_every_n_rounds_with_fragments() -> None:
@@ -204,6 +208,9 @@ def test_not_contributing_reasons_name_the_cause() -> None:
     assert any(isinstance(a, Warn) and "banned" in a.text for a in actions)
     _, actions = transition(state, Averaged(NOBODY, replace(PEERS, reducers=0)), PRIVATE)
     assert any(isinstance(a, Warn) and "no reducer reachable" in a.text for a in actions)
+    # That one is definite: said at the first round without a group, not after three.
+    _, actions = transition(AT5, Averaged(NOBODY, replace(PEERS, reducers=0)), PRIVATE)
+    assert any(isinstance(a, Warn) and "no public reducer in this run" in a.text for a in actions)
     # Alone in the run nobody could be in a round with us: no warning, however long.
     _, actions = transition(replace(AT5, misses=10), Averaged(NOBODY, QUIET), PLAIN)
     assert not any(isinstance(a, Warn) for a in actions)

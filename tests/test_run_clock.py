@@ -89,15 +89,38 @@ def test_a_slower_peer_counts_and_a_frozen_one_is_back_within_two_rounds(swarm: 
 
 def test_equal_peers_stay_in_one_full_group(swarm: Callable[..., Swarm]) -> None:
     s = swarm(4)
-    statuses = s.wait_all_at(1, timeout=240)
-    first_full = max(st["outer_step"] for st in statuses) + 1  # from once all four train
-    statuses = s.wait_all_at(first_full + 15, timeout=300)
-    assert_one_theta_per_step(statuses)
-    peer_rounds = [e for st in statuses for e in st["rounds"] if e["outer_step"] > first_full]
-    full = [e for e in peer_rounds if e["result"] == "ok" and e["group_size"] == 4]
-    assert len(full) >= 0.95 * len(peer_rounds), sorted(
-        (e["outer_step"], e["result"], e["group_size"]) for e in peer_rounds if e not in full
+    # From once all four train together (peers start seconds apart, and the first rounds sort that out).
+    full = wait_for(
+        "a round with all four",
+        lambda: [
+            e["outer_step"]
+            for e in s.peers[0].status()["rounds"]
+            if e["result"] == "ok" and e["group_size"] == 4
+        ],
+        240,
     )
+    first_full = full[0] + 2
+    statuses = s.wait_all_at(first_full + 20, timeout=360)
+    assert_one_theta_per_step(statuses)
+    peer_rounds = [
+        (e["outer_step"], e) for st in statuses for e in st["rounds"] if e["outer_step"] > first_full
+    ]
+    # A round whose all-reduce failed for every peer at once had them all in it: that is the transport,
+    # not the clock (the cut reply stream of issue 15), and it is bounded separately below.
+    failed_by = defaultdict(set)
+    for st in statuses:
+        for e in st["rounds"]:
+            if e["result"] == "failed":
+                failed_by[e["outer_step"]].add(st["peer_id"])
+    failed_together = {step for step, peers in failed_by.items() if len(peers) == 4}
+    together = [
+        e for step, e in peer_rounds
+        if (e["result"] == "ok" and e["group_size"] == 4) or (e["result"] == "failed" and step in failed_together)
+    ]  # fmt: skip
+    assert len(together) >= 0.95 * len(peer_rounds), sorted(
+        (step, e["result"], e["group_size"]) for step, e in peer_rounds if e not in together
+    )
+    assert len(failed_together) <= 2, sorted(failed_together)
 
 
 def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[..., Swarm]) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from dilocod.config import load_config
 from dilocod.diloco import OuterOptimizer
-from dilocod.processes.helper import next_round
+from dilocod.processes.helper import due_now, next_round
 from dilocod.rounds import clock
 from dilocod.rounds.facts import Us, behind_on_previous
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
@@ -113,3 +113,16 @@ def test_the_reducing_bootstrap_joins_a_round_again_once_it_reopens() -> None:
     tie = next_round([trainer("a", 3, 95.0), trainer("b", 4, 96.0), {"role": "helper"}], settings, now=100.0)
     assert tie is not None and tie[0] == 4
     assert next_round([], settings, now=100.0) is None
+
+
+def test_the_reducing_bootstrap_joins_each_instance_of_a_round_once() -> None:
+    assert due_now(None, 3, opened=90.0, close_at=100.0, now=100.0)
+    assert not due_now(None, 3, opened=90.0, close_at=101.0, now=100.0)  # not closing yet
+    joined = (3, 100.0)
+    # The trainers' reports of when round 3 opened drift as records arrive: still the round we joined.
+    assert not due_now(joined, 3, opened=90.6, close_at=100.5, now=101.0)
+    # Round 3 reopened after we joined (it failed, or the trainers stepped back to it): join again.
+    assert due_now(joined, 3, opened=103.0, close_at=105.0, now=105.0)
+    assert due_now(joined, 4, opened=100.2, close_at=104.0, now=104.0)
+    # Nobody says when the round opened (peers of an older version): no sign of a new instance.
+    assert not due_now(joined, 3, opened=None, close_at=100.0, now=101.0)

@@ -19,8 +19,8 @@ from dilocod.config import ConfigError, load_config
 from dilocod.diloco.fragments import fragment_of, mix, split_fragments
 from dilocod.diloco.outer import OuterConfig, OuterOptimizer
 from dilocod.processes.helper import parameter_shapes
-from peers.averager import round_group_bits
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.grouping import round_group_bits
 from peers.node import Node, NodeOptions
 from proto import encode_ticket
 from tests.harness import Swarm, round_hashes
@@ -220,7 +220,7 @@ def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm])
     assert evals[-1] < evals[0], evals
 
     # Slots of H / F inner steps here are far shorter than a round's matchmaking: the peers say so.
-    slow = f"a fragment round outlasted a slot of {H // F} inner steps"
+    slow = "a round outlasted the next one's training three times in a row"
     assert any(slow in peer.output() for peer in s.peers), s.peers[0].output()[-2000:]
 
     # SIGTERM with a fragment round possibly in flight: a clean exit with a checkpoint.

@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from dilocod.codecs import CODEC_NAMES, make_codec, roundtrip
 from peers.allreduce import BufferingReducer, weighted_mean
-from peers.averager import round_group_bits
+from peers.grouping import round_group_bits
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,

@@ -159,9 +159,16 @@ def progress_line(statuses: list[dict[str, Any]]) -> str:
     loss = f"{sum(losses) / len(losses):.3f}" if losses else "–"
     last = f"{max(rounds):.1f}s" if rounds else "–"
     inner = max(s["round_steps"] for s in statuses)
+    ok, failed = (
+        sum(s.get("rounds_ok") or 0 for s in statuses),
+        sum(s.get("rounds_failed") or 0 for s in statuses),
+    )
+    trained = sum(s.get("tokens_trained") or 0 for s in statuses)
+    reached = sum(s.get("tokens_contributed") or 0 for s in statuses)
+    share = f"{100 * reached / trained:.0f}%" if trained else "–"
     return (
         f"outer step {step} | inner {inner} | loss {loss} | {len(statuses)} peers | "
-        f"{tps:,.0f} tokens/s | last round {last}"
+        f"{tps:,.0f} tokens/s | last round {last} | rounds ok/failed {ok}/{failed} | tokens in θ_global {share}"
     )
 
 

@@ -33,7 +33,6 @@ from proto import encode_status, encode_ticket
 log = logging.getLogger("dilocod.helper")
 
 IDLE_SECONDS = 1.0
-SAME_ROUND_SECONDS = 0.5  # two reports of a round's opening this close are the same round
 
 
 def parameter_shapes(preset: str) -> list[torch.Size]:
@@ -68,7 +67,9 @@ class AuxReducer:
         self.view = NodeRunView(node)
         self.rounds_reduced = 0
         self.last_round = -1
-        self._last: tuple[int, float] | None = None  # (round, opened) of the last round we joined
+        # (round, when we entered its matchmaking) of the last round we joined: the same round index opened
+        # again after that (a round that failed, or peers that stepped back) is a new round to join.
+        self._last: tuple[int, float] | None = None
         self.bytes_sent = self.bytes_received = 0  # tensor payload bytes of every round it reduced in
 
     def start(self) -> None:
@@ -82,7 +83,10 @@ class AuxReducer:
         """Join every round of the run at its close, until stopped."""
         while not stopping.is_set():
             try:
+                started = time.monotonic()
                 await self._publish()
+                if time.monotonic() - started > 1.0:
+                    log.debug("publishing our helper record took %.1fs", time.monotonic() - started)
                 wait = await self._round_or_wait()
                 if wait > 0:
                     await asyncio.wait_for(stopping.wait(), wait)
@@ -97,27 +101,29 @@ class AuxReducer:
     async def _round_or_wait(self) -> float:
         """Join the run's round if it is closing now; else how long to wait before looking again."""
         now = time.time()
-        due = next_round(await self.view.records(), self.clock, now)
+        records = await self.view.records()
+        due = next_round(records, self.clock, now)
         if due is None:
+            log.debug("no live trainer in %d records (%.2fs to read)", len(records), time.time() - now)
             return IDLE_SECONDS
         round_index, opened, close, trainers = due
-        if (
-            self._last is not None
-            and self._last[0] == round_index
-            and abs(self._last[1] - opened) < SAME_ROUND_SECONDS
-        ):
-            return clock.refresh_interval(close, now, self.cfg.net.status_interval)  # joined it already
-        if close.at > now:
-            return min(close.at - now, clock.refresh_interval(close, now, self.cfg.net.status_interval))
-        self._last = (round_index, opened)
-        await self._reduce(round_index, trainers)
+        log.debug(
+            "round %d (opened %s, %d trainers): closes at %.2f (%s, %.0f of %d tokens at %.0f/s); last joined %s",
+            round_index, opened, trainers, close.at, close.by, close.expected, close.target, close.rate, self._last,
+        )  # fmt: skip
+        if not due_now(self._last, round_index, opened, close.at, now):
+            wait = clock.refresh_interval(close, now, self.cfg.net.status_interval)
+            return min(wait, close.at - now) if close.at > now else wait
+        self._last = (round_index, now)
+        helpers = max(1, len(await self.view.helpers()))  # other reducers of the run join too (we are one)
+        await self._reduce(round_index, trainers + helpers)
         return 0.0
 
-    async def _reduce(self, round_index: int, trainers: int) -> None:
+    async def _reduce(self, round_index: int, group_target: int) -> None:
         subset = self._fragment(round_index)
         tensors = self.template if subset is None else [self.template[i] for i in subset]
         outcome = await self.group.average(
-            round_index, self._ticket(round_index), tensors, subset=subset, group_target=trainers + 1
+            round_index, self._ticket(round_index), tensors, subset=subset, group_target=group_target
         )
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
@@ -158,10 +164,24 @@ class AuxReducer:
         await self.node.publish(HELPERS_KEY, encode_status(record), ttl=30.0)
 
 
+def due_now(
+    last: tuple[int, float] | None, round_index: int, opened: float | None, close_at: float, now: float
+) -> bool:
+    """Whether to enter the round's matchmaking now: its close has come, and we have not joined this
+    instance of it (`last`: the round we joined last, and when). Trainers' reports of when a round opened
+    drift as their records arrive, so an instance is told by time: one that opened after we joined is a
+    new one (the round failed and reopened, or the trainers stepped back to it). No report of when it
+    opened (`opened` None) is no sign of a new instance."""
+    if last is not None and last[0] == round_index and (opened is None or opened <= last[1]):
+        return False
+    return close_at <= now
+
+
 def next_round(
     records: list[dict[str, Any]], settings: clock.ClockSettings, now: float
-) -> tuple[int, float, clock.Close, int] | None:
-    """The round most live trainers train, when it opened, when it closes, and how many train it."""
+) -> tuple[int, float | None, clock.Close, int] | None:
+    """The round most live trainers train, when it opened (None: none of them says), when it closes,
+    and how many train it."""
     progress = [p for r in records if (p := clock.progress_from_record(r)) is not None]
     fresh = [p for p in progress if now - p.time <= settings.stale_after]
     vote = plurality(-p.round for p in fresh)  # negated: a tie goes to the later round (the others catch up)
@@ -170,6 +190,7 @@ def next_round(
     round_index = -vote.winner
     trainers = clock.in_round(fresh, round_index, now, settings.stale_after)
     arriving = clock.in_round(fresh, round_index - 1, now, settings.stale_after)
+    said = [p.opened for p in trainers if p.opened is not None]
     opened = clock.round_opened(trainers, fallback=now)
     close = clock.estimate_close(trainers, settings, now, opened, arriving)
-    return round_index, opened, close, len(trainers) + len(arriving)
+    return round_index, opened if said else None, close, len(trainers) + len(arriving)

@@ -57,7 +57,7 @@ def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
 
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root = logging.getLogger()
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
     for handler in list(root.handlers):
         root.removeHandler(handler)
     console = console_handler(sys.stderr)

@@ -98,6 +98,7 @@ class RoundDriver:
         self.facts = self.observer.facts
         self._in_flight: tuple[Contribution, int, asyncio.Task[RoundOutcome]] | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
+        self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next
 
     # ---- the loop ------------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
@@ -108,15 +109,18 @@ class RoundDriver:
         while True:
             mstate, actions = transition(mstate, event, self.machine)
             self.state.round = mstate.round
+            if self._reopen is not None:  # a new round opens for us: its number and its clock change together
+                self.effects.open_round(self._reopen[0])
+                self._reopen = None
             *effects, command = actions
             for effect in effects:
                 await self._effect(effect)
             if isinstance(command, Stop):
                 await self._drain(STOP_GRACE_SECONDS)
                 return
+            # A stop is seen by every command before it starts new work; a round that completes during a
+            # stop is still applied (its group applies it too), then the next command sees the stop.
             event = await self._command(command)
-            if stopping.is_set() and not isinstance(event, Stopping):
-                event = Stopping()
 
     async def _effect(self, effect: Action) -> None:
         if isinstance(effect, Launch):
@@ -125,7 +129,10 @@ class RoundDriver:
             await self.effects.perform(effect)  # type: ignore[arg-type]
 
     async def _command(self, command: Action) -> Event:
-        if isinstance(command, CheckRun):
+        if self._stopping.is_set() and isinstance(command, Train | Average | Download):
+            return Stopping()
+        if isinstance(command, CheckRun):  # at start: our round is the run's, opened when it says
+            self._reopen = (await self.timer.run_opened(self.outer.step),)
             return RunChecked(await self.facts())
         if isinstance(command, Train):
             return await self._train()
@@ -214,6 +221,8 @@ class RoundDriver:
                 "stopping after the all-reduce in progress (our parts; at most %.0fs)", STOP_GRACE_SECONDS
             )
             await asyncio.wait({task}, timeout=STOP_GRACE_SECONDS)
+            if task.done():  # it completed: apply it as the rest of its group does, then stop
+                return task.result()
         await cancelled_quietly(task)  # type: ignore[arg-type]
         return None
 
@@ -254,8 +263,8 @@ class RoundDriver:
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
         await self.parts.averaging.judge(outcome)
         facts = await self.facts()
-        if not self.machine.overlapped:
-            self.effects.open_round()
+        if not self.machine.overlapped:  # whatever came of it, the round we train next opens now
+            self._reopen = (None,)
         return Averaged(attempt(outcome), facts)
 
     async def _run_leaves(self, task: asyncio.Task[RoundOutcome]) -> None:
@@ -285,7 +294,7 @@ class RoundDriver:
         result = download.result()
         facts = await self.facts()
         if not result.adopted:
-            self.effects.open_round()
+            self._reopen = (None,)
             return Synced(False, self.outer.step, facts)
         dropped = self.tokens.resynced(result.kept_progress)
         if dropped:
@@ -295,7 +304,7 @@ class RoundDriver:
                 result.from_step, result.step, dropped,
             )  # fmt: skip
         self.effects.new_global()
-        self.effects.open_round(await self.timer.run_opened(self.outer.step))
+        self._reopen = (await self.timer.run_opened(self.outer.step),)  # we join the run's round under way
         return Synced(True, self.outer.step, facts)
 
     # ---- stopping ------------------------------------------------------------------------------------------

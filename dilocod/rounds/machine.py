@@ -58,7 +58,7 @@ from dilocod.rounds.events import (
     Train,
     Warn,
 )
-from dilocod.rounds.reasons import not_contributing_reason
+from dilocod.rounds.reasons import no_reducer, not_contributing_reason
 
 STRANDED_ROUNDS = 2  # rounds without a group, every other peer behind us, before stepping back
 MISSES_BEFORE_WARNING = 3  # rounds in a row without a successful one while others are live
@@ -199,14 +199,14 @@ def _contributing(
     """Say whether we contribute (every round), and warn once when we have not for a while."""
     if outcome in SUCCESS:
         return [Contributing(None)]
-    if state.misses < MISSES_BEFORE_WARNING or facts.others == 0:
+    definite = no_reducer(facts, private=settings.private)  # no need to wait for more misses
+    if (state.misses < MISSES_BEFORE_WARNING and not definite) or facts.others == 0:
         return []
     reason = not_contributing_reason(outcome, facts, private=settings.private)
     actions: list[Action] = [Contributing(reason)]
     if not state.warned:
-        actions.append(
-            Warn(f"not in a successful round for {state.misses} rounds while others train: {reason}")
-        )
+        count = "" if definite else f" for {state.misses} rounds while others train"
+        actions.append(Warn(f"not in a successful round{count}: {reason}"))
     return actions
 
 
@@ -241,10 +241,15 @@ def _on_synced(
 ) -> tuple[RoundState, list[Action]]:
     if not event.adopted:  # the round that sent us here was counted as missed already
         state = replace(state, in_flight=False)
-        actions = [
+        failed: list[Action] = [
             Record(Outcome.SYNC_FAILED),
             *_contributing(state, Outcome.SYNC_FAILED, event.facts, settings),
         ]
-        return _warned(state, actions), [*actions, Train()]
+        return _warned(state, failed), [*failed, Train()]
     state = replace(state, step=event.step, in_flight=False, stranded=0, since_checkpoint=0)
-    return state, [Record(Outcome.RESYNCED), Publish(), Checkpoint(), Train()]
+    adopted: list[Action] = [Record(Outcome.RESYNCED), Publish(), Checkpoint()]
+    if settings.overlapped:
+        # The run launched the round of the step we adopted at its last close: launch ours now (our rebased
+        # progress) to meet that group, rather than a round late again after training a whole round.
+        return replace(state, in_flight=True), [*adopted, Launch(), Train()]
+    return state, [*adopted, Train()]

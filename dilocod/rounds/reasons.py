@@ -19,10 +19,11 @@ def not_contributing_reason(outcome: Outcome, facts: RunFacts, *, private: bool)
         )
     if outcome is Outcome.BANNED:
         return "banned: most of our group refuses our contributions (see the bans in its peers' logs)"
-    if private and facts.reducers == 0:
+    if no_reducer(facts, private=private):
         return (
-            "no reducer reachable: behind NAT we average only through a public peer or a reducing bootstrap "
-            "(run `dilocod bootstrap` without --no-reduce, or with --relay)"
+            "no reducer reachable: there is no public reducer in this run, and behind NAT we average only "
+            "through a public peer or a reducing bootstrap/helper (run `dilocod bootstrap` without "
+            "--no-reduce, or with --relay)"
         )
     if facts.late_by is not None and facts.late_by > 0:
         return (
@@ -30,6 +31,12 @@ def not_contributing_reason(outcome: Outcome, facts: RunFacts, *, private: bool)
             "(a slow link or state download, or this machine paused)"
         )
     return _by_outcome(outcome)
+
+
+def no_reducer(facts: RunFacts, *, private: bool) -> bool:
+    """A definite diagnosis, worth saying at once: behind NAT, with others to average with but nobody
+    who can reduce for us."""
+    return private and facts.reducers == 0 and facts.others > 0
 
 
 def _by_outcome(outcome: Outcome) -> str:
