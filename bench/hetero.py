@@ -138,39 +138,37 @@ def summarize(
     }
 
 
-def in_run_round(statuses: list[dict[str, Any]]) -> float:
-    """Share of peer-rounds that were a successful round with every peer, over the steps the run made
-    after its first such round (the start, while peers come up, is left out)."""
+def first_full_round(statuses: list[dict[str, Any]]) -> int | None:
+    """The first outer step every peer reached together (the start, while peers come up, is left out)."""
     n = len(statuses)
-    full_steps = {
+    full = [
         e["outer_step"]
         for st in statuses
         for e in st["rounds"]
         if e["result"] == "ok" and e["group_size"] == n
-    }
-    if not full_steps:
+    ]
+    return min(full) if full else None
+
+
+def in_run_round(statuses: list[dict[str, Any]]) -> float:
+    """Share of peer-rounds after the first full round that were a successful round with every peer."""
+    first = first_full_round(statuses)
+    if first is None:
         return 0.0
-    first = min(full_steps)
     entries = [e for st in statuses for e in st["rounds"] if e["outer_step"] > first]
-    full = [e for e in entries if e["result"] == "ok" and e["group_size"] == n]
+    full = [e for e in entries if e["result"] == "ok" and e["group_size"] == len(statuses)]
     return round(len(full) / max(1, len(entries)), 3)
 
 
 def reached_share(statuses: list[dict[str, Any]]) -> float:
     """Share of (peer, outer step) pairs, over the steps the run made after its first full round, in which
     the peer reached the step's θ_global by averaging (an `ok` round), whatever its group's size."""
-    n = len(statuses)
-    oks = [{e["outer_step"] for e in st["rounds"] if e["result"] == "ok"} for st in statuses]
-    full = {
-        e["outer_step"]
-        for st in statuses
-        for e in st["rounds"]
-        if e["result"] == "ok" and e["group_size"] == n
-    }
-    if not full:
+    first = first_full_round(statuses)
+    if first is None:
         return 0.0
-    steps = {step for ok in oks for step in ok if step > min(full)}
-    return round(sum(len(ok & steps) for ok in oks) / max(1, n * len(steps)), 3)
+    oks = [{e["outer_step"] for e in st["rounds"] if e["result"] == "ok"} for st in statuses]
+    steps = {step for ok in oks for step in ok if step > first}
+    return round(sum(len(ok & steps) for ok in oks) / max(1, len(statuses) * len(steps)), 3)
 
 
 def close_to_applied(statuses: list[dict[str, Any]]) -> float | None:

@@ -50,8 +50,17 @@ from peers.wirecodec import (
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 """(stacked [n, d], weights [n] ≥ 0, the largest 1) → (reduced [d], indices of senders found faulty)."""
-PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
-"""(averaged part received from a reducer, our own input for that part) → plausible?"""
+PartCheck = Callable[[torch.Tensor, torch.Tensor, float], bool]
+"""(averaged part received from a reducer, our own input for that part, our weight over the senders'
+mean weight: 1 at equal weights, 0.1 if we carry a tenth of the typical tokens) → plausible?"""
+
+
+def own_share(weights: list[float], own: float) -> float:
+    """``own`` over the mean positive weight in ``weights`` (1.0 when there is nothing to compare)."""
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return 1.0
+    return own / (sum(positive) / len(positive))
 
 
 def weighted_mean(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -178,6 +187,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.screened_parts = 0
         self.screened_senders: set[int] = set()
         self.check_part = check_part
+        self.own_share = own_share(self.sender_weights, float(sender_weights.get(self.peer_id, 0.0)))
         self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
         self.rejected_reducers: set[PeerID] = set()
         # Why a reducer's averages never (all) arrived, by reducer: hivemind only logs this at debug level,
@@ -230,7 +240,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             if plausible and self.check_part is not None:
                 assert received is not None
-                plausible = self.check_part(received, own)
+                plausible = self.check_part(received, own, self.own_share)
             if not plausible or received is None:
                 # The safe value every honest member falls back to: no update for these coordinates.
                 if remote:

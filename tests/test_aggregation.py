@@ -29,6 +29,8 @@ from dilocod.aggregation import (
     trimmed_mean,
 )
 from dilocod.aggregation._det import median_1d, row_sq_norms, vector_norm
+from dilocod.aggregation.pipeline import make_part_check
+from peers.allreduce import own_share
 
 NAN, INF = float("nan"), float("inf")
 REDUCERS: dict[str, Reducer] = {name: make_reducer(ReducerConfig(name=name)) for name in REDUCER_NAMES}
@@ -619,11 +621,11 @@ def test_screen_drops_nan_inf_and_blown_up_rows() -> None:
     w = ones(8)
     after = screen(x, w, ScreeningConfig())
     assert after.tolist() == [1, 0, 1, 1, 1, 0, 0, 0]
-    assert faulty(w, after) == [1, 5, 6, 7]
+    assert faulty(x, w, after, ScreeningConfig()) == [1, 5, 6, 7]
     assert w.tolist() == [1] * 8  # a new tensor: the input is untouched
     # already-excluded rows stay excluded and are not reported again
     again = screen(x, after, ScreeningConfig())
-    assert torch.equal(again, after) and faulty(after, again) == []
+    assert torch.equal(again, after) and faulty(x, after, again, ScreeningConfig()) == []
 
 
 def test_screen_ratio_and_edges() -> None:
@@ -633,6 +635,19 @@ def test_screen_ratio_and_edges() -> None:
     assert screen(x, ones(4), ScreeningConfig(norm_ratio=20.0)).tolist() == [1, 1, 1, 1]
     assert screen(x, torch.zeros(4), ScreeningConfig()).tolist() == [0, 0, 0, 0]
     assert screen(x[:1], ones(1), ScreeningConfig()).tolist() == [1]
+
+
+def test_screened_is_not_always_faulty() -> None:
+    # an honest peer that carried more tokens sends a row well above the others: screening drops it
+    # from this round, but only a row far beyond the bound (or non-finite) gets its sender banned
+    g = torch.Generator().manual_seed(2)
+    honest = torch.randn(4, 64, generator=g)
+    x = torch.cat([honest, honest[:1] * 20, honest[:1] * 100, honest[:1] * -1000])
+    w = ones(7)
+    after = screen(x, w, ScreeningConfig())
+    assert after.tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert faulty(x, w, after, ScreeningConfig()) == [5, 6]
+    assert faulty(x, w, after) == [4, 5, 6]  # undefended callers: every dropped row counts
 
 
 @PROPS
@@ -646,7 +661,7 @@ def test_screen_never_adds_and_always_drops_garbage(
     x, w = torch.cat([x[:bad_at], bad, x[bad_at:]]), torch.cat([w[:bad_at], ones(1), w[bad_at:]])
     after = screen(x, w, ScreeningConfig())
     assert after[bad_at] == 0 and bool(((after == 0) | (after == w)).all())
-    assert bad_at in faulty(w, after)
+    assert bad_at in faulty(x, w, after, ScreeningConfig())
 
 
 # ---------------------------------------------------------------- verification
@@ -672,6 +687,27 @@ def test_plausible_average_accepts_robust_and_rejects_garbage() -> None:
     assert plausible_average(avg, own, bound=INF)
     with pytest.raises(ValueError, match="bound"):
         plausible_average(avg, own, bound=-1.0)
+
+
+def test_part_check_trusts_a_small_contributor_by_its_share() -> None:
+    # A member that trained a twentieth of the others' tokens holds a Δ far smaller than the group's:
+    # judged by its own norm alone, the honest average looks implausible; scaled by its share it passes,
+    # while a reducer's garbage is still refused.
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3, 256, generator=g)
+    small = 0.001 * torch.randn(256, generator=g)
+    x = torch.cat([big, small[None]])
+    w = torch.tensor([20.0, 20.0, 20.0, 1.0])
+    avg = REDUCERS["centered_clip"](x, screen(x, w, ScreeningConfig()))
+    check = make_part_check(ScreeningConfig())
+    assert not check(avg, small, 1.0)  # the pre-share check: an honest reducer rejected
+    share = own_share(w.tolist(), 1.0)
+    assert share == pytest.approx(1 / 15.25)
+    assert check(avg, small, share)
+    assert not check(-1000 * big[0], small, share)
+    assert check(avg, small, 0.0)  # a weight-0 member checks finiteness only
+    assert not check(torch.full_like(avg, NAN), small, 0.0)
+    assert check(avg, big[0], own_share(w.tolist(), 20.0))
 
 
 @pytest.mark.parametrize("name", REDUCER_NAMES)

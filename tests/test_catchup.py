@@ -32,6 +32,16 @@ def test_the_donor_alone_only_counts_when_nobody_else_reported_the_step() -> Non
     assert expected_hash(seen, 4, "donor") == A
 
 
+def test_a_tie_holds_nobody_to_either_hash() -> None:
+    seen: dict[int, dict[str, str]] = {}
+    remember_hashes(seen, [record("p1", 4, A), record("p2", 4, B), record("donor", 4, B)])
+    assert expected_hash(seen, 4, "donor") == B  # the donor's report breaks the tie it is part of
+    remember_hashes(seen, [record("p3", 5, A), record("p4", 5, B), record("donor", 5, C)])
+    assert expected_hash(seen, 5, "donor") is None  # no majority to call the donor a liar by
+    remember_hashes(seen, [record("p5", 5, A)])
+    assert expected_hash(seen, 5, "donor") == A
+
+
 def test_a_peer_that_re_synced_at_a_step_counts_once_with_its_latest_hash() -> None:
     seen: dict[int, dict[str, str]] = {}
     remember_hashes(seen, [record("p1", 4, B), record("p2", 4, A), record("p3", 4, A)])

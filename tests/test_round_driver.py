@@ -26,20 +26,10 @@ from dilocod.trainer import StepStats
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from peers.group import RoundOutcome
+from tests.fakes import FakeTrainer
 
 T = TypeVar("T")
 TOKENS_PER_STEP = 100
-
-
-class FakeTrainer:
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = [p.clone() for p in params]
-
-    def working_params_fp32(self) -> list[torch.Tensor]:
-        return [p.clone() for p in self.params]
-
-    def load_params(self, tensors: list[torch.Tensor]) -> None:
-        self.params = [t.clone() for t in tensors]
 
 
 class FakeTraining:
@@ -203,6 +193,16 @@ def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens()
     rig.run_until(lambda: rig.outer.step >= 8)
     assert rig.results()[:2] == ["resynced", "ok"], rig.results()
     assert rig.outer.step >= 8 and rig.ledger.trained > 0
+
+
+def test_a_failed_re_sync_trains_a_whole_round_before_trying_again() -> None:
+    # No donor can be adopted (syncs=[]), the run stays past us: the peer must not spin between a
+    # one-step round and another download, it trains to the clock's close (500 tokens = 5 steps) first.
+    rig = Rig(syncs=[])
+    rig.view.others = [peer_record(7)]
+    rig.run_until(lambda: rig.results().count("sync_failed") >= 2)
+    assert rig.results()[:3] == ["sync_failed", "late", "sync_failed"], rig.results()
+    assert rig.training.steps >= 500 // TOKENS_PER_STEP  # the held round ran to the clock's close
 
 
 def test_no_group_keeps_the_progress_and_the_tokens_for_the_next_round() -> None:

@@ -96,7 +96,7 @@ TABLE: list[tuple[str, MachineSettings, RoundState, object, Outcome | None, Acti
     ("our θ is the group's minority", PLAIN, AT5, Averaged(MINORITY, PEERS), Outcome.DIVERGED, Download(5, force=True), 5),
     ("most of the group bans us", PLAIN, AT5, Averaged(BANNED, PEERS), Outcome.BANNED, Train(), 5),
     ("a download adopted", PLAIN, AT5, Synced(True, 8), Outcome.RESYNCED, Train(), 8),
-    ("a download failed", PLAIN, AT5, Synced(False, 5, PEERS), Outcome.SYNC_FAILED, Train(), 5),
+    ("a download failed: train on, held", PLAIN, AT5, Synced(False, 5, PEERS), Outcome.SYNC_FAILED, Train(hold=True), 5),
     (
         "private, ahead of everyone on our previous θ, long enough",
         PRIVATE, replace(AT5, stranded=STRANDED_ROUNDS - 1), Averaged(NOBODY, BEHIND), Outcome.STEPPED_BACK, Train(), 4,

@@ -14,6 +14,7 @@ from dilocod.rounds import clock
 from dilocod.rounds.facts import Us, behind_on_previous
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.trust.adversary import Adversary
+from tests.fakes import FakeTrainer
 
 OLD, NEW, OTHER = "a" * 64, "b" * 64, "c" * 64
 
@@ -42,19 +43,6 @@ def test_not_behind_on_previous_too_far_or_onto_another_theta() -> None:
     assert not behind_on_previous([rec(4), rec(3), rec(3)], US)  # not most of them
     assert not behind_on_previous([rec(4)], Us("me", 6, NEW, previous=(4, OLD)))  # our copy is not of step 5
     assert not behind_on_previous([rec(4)], Us("me", 5, NEW))  # no copy at all
-
-
-class FakeTrainer:
-    """What the pipeline needs of a trainer: a working copy to read and write."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = [p.clone() for p in params]
-
-    def working_params_fp32(self) -> list[torch.Tensor]:
-        return [p.clone() for p in self.params]
-
-    def load_params(self, tensors: list[torch.Tensor]) -> None:
-        self.params = [t.clone() for t in tensors]
 
 
 def pipeline(private: bool, overlap: str = "none") -> RoundPipeline:

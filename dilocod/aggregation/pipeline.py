@@ -17,11 +17,14 @@ from dilocod.aggregation.screening import ScreeningConfig, faulty, screen
 from dilocod.aggregation.verify import average_bound, plausible_average
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
-PartCheck = Callable[[torch.Tensor, torch.Tensor], bool]
+PartCheck = Callable[[torch.Tensor, torch.Tensor, float], bool]
 
 # A receiver knows only its own copy of a part; it assumes the group's median norm is at most this
 # many times its own (see verify.py for what a too-small estimate costs).
 OWN_NORM_SLACK = 10.0
+# A member carrying a small share of the typical tokens (a late joiner) holds a small Δ: its estimate
+# of the group's norm is scaled up by 1/share, but never past this (a weight-0 member checks finiteness).
+MAX_SHARE_SCALE = 100.0
 
 
 def make_part_reduce(reducer: ReducerConfig, screening: ScreeningConfig) -> PartReduce:
@@ -34,17 +37,20 @@ def make_part_reduce(reducer: ReducerConfig, screening: ScreeningConfig) -> Part
         else:
             finite = torch.isfinite(stacked).all(dim=1)
             kept = torch.where(finite, weights, torch.zeros_like(weights))
-        return reduce(stacked, kept), faulty(weights, kept)
+        return reduce(stacked, kept), faulty(stacked, weights, kept, screening if defended else None)
 
     return reduce_part
 
 
 def make_part_check(screening: ScreeningConfig) -> PartCheck:
-    def check_part(averaged: torch.Tensor, own: torch.Tensor) -> bool:
+    def check_part(averaged: torch.Tensor, own: torch.Tensor, own_share: float) -> bool:
         own_norm = float(torch.linalg.vector_norm(own.to(torch.float64)))
-        if own_norm == 0.0:  # nothing to compare with (e.g. a weight-0 member): only finiteness
+        if own_norm == 0.0 or own_share <= 0.0:  # nothing to compare with: only finiteness
             return bool(torch.isfinite(averaged).all())
-        bound = average_bound(own_norm, OWN_NORM_SLACK * own_norm, norm_ratio=screening.norm_ratio)
+        # Δ norms grow at most about linearly with the tokens behind them: scale our estimate to the typical member
+        scale = min(MAX_SHARE_SCALE, max(1.0, 1.0 / own_share))
+        reference = OWN_NORM_SLACK * own_norm * scale
+        bound = average_bound(own_norm, reference, norm_ratio=screening.norm_ratio)
         return plausible_average(averaged, own, bound=bound)
 
     return check_part

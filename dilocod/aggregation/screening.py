@@ -7,6 +7,13 @@ honest row is only dropped if it is itself ``norm_ratio`` times bigger than some
 Caveat: if more than half the included rows are exactly zero, M = 0 and every non-zero row is dropped —
 right when the honest majority really sent zeros, harsh if zeros are a coincidence.
 
+Dropping a row is not the same as calling its sender a liar. Contributions now differ in the tokens
+behind them (a peer that carries rounds it missed, one that joined as a round closed), so an honest row
+can sit an order of magnitude from the median. Only a row that holds NaN/±Inf, or whose norm exceeds
+``LIAR_FACTOR`` × the screening bound (``LIAR_FACTOR × norm_ratio × M``, 50 × M by default, well
+under the ×100 scale and ×1000 sign-flip attacks), makes its sender *faulty* (``faulty``): the caller
+bans it.
+
 Wrong shape/dtype is checked by the caller before stacking. Norms are computed in float64 in a fixed order
 (``_det``), so the decision is the same under any thread count and never overflows for finite float32.
 """
@@ -33,6 +40,10 @@ class ScreeningConfig:
             )
 
 
+# How far beyond the screening bound a row must be before its sender counts as lying (see the docstring).
+LIAR_FACTOR = 5.0
+
+
 def screen(stacked: torch.Tensor, weights: torch.Tensor, cfg: ScreeningConfig) -> torch.Tensor:
     """A new weights tensor: ``weights`` with non-finite and oversized included rows set to 0."""
     if stacked.dim() != 2 or weights.shape != (stacked.shape[0],):
@@ -47,8 +58,18 @@ def screen(stacked: torch.Tensor, weights: torch.Tensor, cfg: ScreeningConfig) -
     return torch.where(keep, weights, torch.zeros_like(weights))
 
 
-def faulty(before: torch.Tensor, after: torch.Tensor) -> list[int]:
-    """Indices of the rows that ``screen`` newly zeroed (included in ``before``, excluded in ``after``)."""
+def faulty(
+    stacked: torch.Tensor, before: torch.Tensor, after: torch.Tensor, cfg: ScreeningConfig | None = None
+) -> list[int]:
+    """Indices of the rows ``screen`` zeroed that prove their sender lies: non-finite, or (with ``cfg``)
+    beyond ``LIAR_FACTOR`` × the screening bound. Without ``cfg`` every newly zeroed row counts (the
+    undefended baseline screens non-finite rows only, and those are all lies)."""
     if before.shape != after.shape:
         raise ValueError(f"weights shapes differ: {tuple(before.shape)} vs {tuple(after.shape)}")
-    return [int(i) for i in ((before > 0) & ~(after > 0)).nonzero().flatten().tolist()]
+    dropped = (before > 0) & ~(after > 0)
+    if cfg is not None and bool(dropped.any()):
+        norms = row_sq_norms(stacked).sqrt()
+        kept = (before > 0) & torch.isfinite(norms)
+        median = median_1d(norms[kept]) if bool(kept.any()) else 0.0
+        dropped &= ~torch.isfinite(norms) | (norms > LIAR_FACTOR * cfg.norm_ratio * median)
+    return [int(i) for i in dropped.nonzero().flatten().tolist()]

@@ -135,7 +135,7 @@ class RoundDriver:
             self._reopen = (await self.timer.run_opened(self.outer.step),)
             return RunChecked(await self.facts())
         if isinstance(command, Train):
-            return await self._train()
+            return await self._train(command.hold)
         if isinstance(command, Average):
             return await self._average_now()
         if isinstance(command, AwaitRound):
@@ -145,10 +145,10 @@ class RoundDriver:
         raise TypeError(f"unknown command {command!r}")
 
     # ---- training until the run's clock closes the round ----------------------------------------------------
-    async def _train(self) -> Event:
+    async def _train(self, hold: bool) -> Event:
         self.state.phase = "training"
         timer = self.timer
-        timer.reset()
+        timer.reset(hold)
         tracker = asyncio.create_task(timer.track(self.outer.step))
         try:
             await self.parts.training.train(self._should_stop)

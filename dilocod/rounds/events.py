@@ -168,7 +168,11 @@ class CheckRun:
 
 @dataclass(frozen=True)
 class Train:
-    """Train until the run's clock closes the round (at least one inner step)."""
+    """Train until the run's clock closes the round (at least one inner step). With ``hold`` the round is
+    not cut short when the run is past it: after a failed re-sync there is nothing better to do than
+    train, and cutting at once would retry the download in a tight loop."""
+
+    hold: bool = False
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ def _on_synced(
             Record(Outcome.SYNC_FAILED),
             *_contributing(state, Outcome.SYNC_FAILED, event.facts, settings),
         ]
-        return _warned(state, failed), [*failed, Train()]
+        return _warned(state, failed), [*failed, Train(hold=True)]
     state = replace(state, step=event.step, in_flight=False, stranded=0, since_checkpoint=0)
     adopted: list[Action] = [Record(Outcome.RESYNCED), Publish(), Checkpoint()]
     if settings.overlapped:

@@ -36,13 +36,15 @@ class RoundTimer:
         self.status_interval = status_interval
         self.close_at = float("inf")  # read by the trainer thread
         self.left_behind = False  # the run is past our round: stop now
+        self.hold = False  # train to the clock's close even if the run is past our round
         self.group_target = 2
         self.seconds_per_step: float | None = None  # set as the trainer times its steps
 
-    def reset(self) -> None:
+    def reset(self, hold: bool = False) -> None:
         """A new stretch of training: nothing is known about its close until the records are read."""
         self.close_at = float("inf")
         self.left_behind = False
+        self.hold = hold
 
     def should_stop(self) -> bool:
         """Called by the trainer thread before each inner step."""
@@ -77,7 +79,8 @@ class RoundTimer:
         close = clock.estimate_close([*live, own], self.settings, now, opened, arriving)
         self.close_at = close.at
         self.state.round_closes_at = close.at
-        if past_round(trainers(records, self.state.peer_id), round_index, step) and not self.left_behind:
+        behind = past_round(trainers(records, self.state.peer_id), round_index, step)
+        if behind and not self.left_behind and not self.hold:
             self.left_behind = True
             log.debug("round %d: the run is already past it; closing now", round_index)
         log.debug(

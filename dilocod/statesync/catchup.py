@@ -35,6 +35,9 @@ log = logging.getLogger("dilocod.statesync")
 DOWNLOAD_ATTEMPTS = 3
 CATCH_UP_PASSES = 3  # downloads in a row while the run keeps moving ahead of the state we adopted
 RECORD_WAITS = 3  # status intervals to wait for the records of a donor's step
+# How often to look for them meanwhile: records land any time, and every second spent here is a second
+# the run goes on without us (a re-sync that waited whole intervals often arrived a round late).
+RECORD_POLL_SECONDS = 0.25
 
 T = TypeVar("T")
 InTrainer = Callable[[Callable[[], T]], Awaitable[T]]
@@ -165,16 +168,18 @@ class StateSync:
             return f"it is at outer step {step}, we need {min_step}", False
         # The donor's own record only counts when nobody else reports that step (a run of two cannot tell
         # who lies anyway). Records can lag a donor that just finished a round: wait a little for them.
-        for attempt in range(RECORD_WAITS + 1):
+        deadline = time.monotonic() + RECORD_WAITS * self.cfg.net.status_interval
+        while True:
             await self.others()
             agreed = expected_hash(self.seen, step, downloaded.donor)
             if agreed is not None:
                 if agreed != meta["global_sha256"]:
                     return "its θ_global is not the one most peers report for that step", True
                 return None
-            if attempt < RECORD_WAITS:
-                await asyncio.sleep(self.cfg.net.status_interval)
-        return f"no peer reports a θ_global for outer step {step}", False
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.cfg.net.status_interval))
+        return f"no θ_global for outer step {step} is reported by more peers than any other", False
 
     def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
         """Shapes, dtype, finiteness, and the donor's hash of what it actually sent."""

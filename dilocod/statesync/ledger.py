@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from peers.vote import plurality
+from peers.vote import plurality, votes_for
 
 
 def remember_hashes(
@@ -26,9 +26,16 @@ def remember_hashes(
 
 def expected_hash(seen: dict[int, dict[str, str]], step: int, donor: str) -> str | None:
     """The θ hash most peers other than `donor` reported for `step`; the donor's own report only when
-    nobody else reported that step; None when nobody did."""
+    nobody else reported that step, or when it is one of the hashes tied for most reports (a split run:
+    the donor's word decides, nobody is called a liar for it); None when nobody did, or on a tie the
+    donor is not part of (no hash to hold anyone to)."""
     reports = seen.get(step, {})
-    vote = plurality(h for peer, h in reports.items() if peer != donor)
-    if vote is not None:
+    others = [h for peer, h in reports.items() if peer != donor]
+    vote = plurality(others)
+    if vote is None:
+        return reports.get(donor)
+    tied = {h for h in others if votes_for(others, h) == vote.votes}
+    if len(tied) == 1:
         return str(vote.winner)
-    return reports.get(donor)
+    own = reports.get(donor)
+    return own if own in tied else None
