@@ -51,13 +51,18 @@ def start_run(root: Path, honest: int, attackers: int, mode: str | None, *extra:
 
 
 def eval_at(statuses: list[dict[str, Any]], step: int) -> float:
-    """The honest peers' eval loss of θ_global after outer step `step` (the first who recorded it)."""
-    for status in statuses:
-        for entry in status["rounds"]:
-            if entry["outer_step"] == step and entry["result"] in ("ok", "alone"):
-                value = entry["eval_loss"]
-                return math.inf if value is None else float(value)
-    raise AssertionError(f"no honest peer evaluated outer step {step}")
+    """The honest peers' eval loss of θ_global after outer step `step` (the first who recorded it; a
+    record read while its evaluation was still running holds None, and another peer's is taken)."""
+    entries = [
+        e
+        for status in statuses
+        for e in status["rounds"]
+        if e["outer_step"] == step and e["result"] in ("ok", "alone")
+    ]
+    if not entries:
+        raise AssertionError(f"no honest peer evaluated outer step {step}")
+    values = [e["eval_loss"] for e in entries if e["eval_loss"] is not None]
+    return float(values[0]) if values else math.inf
 
 
 def mean_eval(statuses: list[dict[str, Any]], last: int) -> float:

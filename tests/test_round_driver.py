@@ -135,7 +135,9 @@ def peer_record(step: int) -> dict[str, Any]:
 class Rig:
     def __init__(self, overlap: str = "none", script: list[Callable[[Contribution], RoundOutcome]] | None = None,
                  syncs: list[int] | None = None) -> None:  # fmt: skip
-        cfg = load_config(None, [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10"])
+        cfg = load_config(
+            None, [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10", "trainer.eval_every=1"]
+        )
         self.state = PeerState(peer_id="me", run_id=cfg.run.id)
         self.outer = OuterOptimizer([torch.ones(4), torch.zeros(3)], cfg.outer)
         self.trainer = FakeTrainer(self.outer.params)
@@ -185,6 +187,8 @@ def test_rounds_apply_the_group_average_and_count_our_tokens() -> None:
     assert rig.state.tokens_contributed >= 300 and rig.state.contributing
     assert rig.publisher.checkpoints >= 2 and rig.publisher.published >= 2 and rig.sync.shared >= 2
     assert rig.state.round_opened > 0 and rig.state.round_closes_in() is not None
+    # every applied step was evaluated into its own round's record (eval_every = 1 here)
+    assert [e.eval_loss for e in rig.state.history if e.result == "ok"][:2] == [1.0, 1.0]
 
 
 def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens() -> None:

@@ -23,6 +23,7 @@ from dilocod.rounds.events import (
     Closed,
     Contributing,
     Download,
+    Evaluate,
     Keep,
     Launch,
     Outcome,
@@ -147,6 +148,7 @@ def test_effects_of_an_applied_round() -> None:
         Record(Outcome.OK, 3, 0.0),
         Contributing(None),
         Publish(),
+        Evaluate(),
         Checkpoint(),
         Train(),
     ]

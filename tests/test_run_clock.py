@@ -135,7 +135,19 @@ def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[
         for step in ok_steps(st):
             members[step] += 1
     rounds = [step for step in members if start < step <= start + 5]
-    assert rounds and all(members[step] == 6 for step in rounds), dict(members)
+    missed = sorted(
+        (e["outer_step"], st["peer_id"][-6:], e["result"], e.get("reason"))
+        for st in statuses for e in st["rounds"]
+        if start < e["outer_step"] <= start + 5 and e["result"] != "ok"
+    )  # fmt: skip
+    tails = [
+        (st["outer_step"], [(e["outer_step"], e["result"]) for e in st["rounds"][-4:]]) for st in statuses
+    ]
+    assert rounds and all(members[step] == 6 for step in rounds), (
+        sorted(members.items())[-3:],
+        missed,
+        tails,
+    )
     assert all(
         e["group_size"] == 6
         for st in statuses

@@ -22,6 +22,7 @@ from dilocod.rounds.events import (
     Checkpoint,
     Contributing,
     Effect,
+    Evaluate,
     Keep,
     Outcome,
     Publish,
@@ -86,6 +87,8 @@ class Effects:
             log.warning("%s", effect.text)
         elif isinstance(effect, Publish):
             await self.publisher.publish()
+        elif isinstance(effect, Evaluate):
+            await self.evaluate()
         elif isinstance(effect, Checkpoint):
             await self.publisher.checkpoint()
         else:  # Launch is the driver's: it starts a round
@@ -105,11 +108,18 @@ class Effects:
             self.context.counted = self.tokens.applied(outcome.my_weight)
         self.state.alone = alone
         self.new_global()
-        # The others' clocks and group sizes follow our record: publish the new round before evaluating.
-        await self.publisher.publish()
-        if self.outer.step % self.cfg.trainer.eval_every == 0:
-            self.state.eval_loss = await self.training.evaluate()
-            self.metrics.eval_loss.set(self.state.eval_loss)
+
+    async def evaluate(self) -> None:
+        """The eval loss of the new θ_global, into the state and the round's record (if it is due)."""
+        step = self.outer.step
+        if step % self.cfg.trainer.eval_every:
+            return
+        self.state.eval_loss = await self.training.evaluate()
+        self.metrics.eval_loss.set(self.state.eval_loss)
+        entry = self.state.history[-1] if self.state.history else None
+        if entry is not None and entry.outer_step == step and entry.result in SUCCESS:
+            entry.eval_loss = self.state.eval_loss
+        log.info("outer step %d: eval loss %.4f", step, self.state.eval_loss)
 
     async def keep(self) -> None:
         contribution = self.context.contribution
@@ -145,9 +155,12 @@ class Effects:
         outcome = effect.outcome
         sent, received = self._bytes()
         loss = self.state.loss if outcome in SUCCESS else None
+        # A step due for evaluation gets its own eval loss once `evaluate` has it (None until then)
+        due = self.outer.step % self.cfg.trainer.eval_every == 0
+        eval_loss = self.state.eval_loss if outcome in SUCCESS and not due else None
         entry = RoundRecord(
             self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,
-            loss, self.state.eval_loss if outcome in SUCCESS else None, sent, received,
+            loss, eval_loss, sent, received,
             tokens=self.context.sent_tokens, tokens_counted=round(self.context.counted, 1),
         )  # fmt: skip
         self.state.history.append(entry)
@@ -179,12 +192,11 @@ class Effects:
     def _log(self, outcome: Outcome, effect: Record, entry: RoundRecord) -> None:
         step = self.outer.step
         if outcome is Outcome.OK:
-            eval_loss = "–" if self.state.eval_loss is None else f"{self.state.eval_loss:.4f}"
             allreduce = self.context.outcome.allreduce_seconds if self.context.outcome is not None else 0.0
             log.info(
-                "outer step %d: ok, group of %d, %d of our tokens counted, loss %.4f, eval %s, %.0f tokens/s, "
+                "outer step %d: ok, group of %d, %d of our tokens counted, loss %.4f, %.0f tokens/s, "
                 "round %.1fs (all-reduce %.1fs), θ %s",
-                step, effect.group_size, int(entry.tokens_counted), self.state.loss, eval_loss,
+                step, effect.group_size, int(entry.tokens_counted), self.state.loss,
                 self.state.tokens_per_second, effect.seconds, allreduce, self.outer.sha256[:12],
             )  # fmt: skip
         elif outcome is Outcome.ALONE:

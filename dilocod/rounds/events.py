@@ -151,6 +151,11 @@ class Publish:
 
 
 @dataclass(frozen=True)
+class Evaluate:
+    """Evaluate the new θ_global if this step is due (`trainer.eval_every`), into the round's record."""
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     pass
 
@@ -198,6 +203,6 @@ class Stop:
     """Let a round that is exchanging tensors finish our parts, then stop."""
 
 
-Effect = Apply | Keep | StepBack | Record | Contributing | Warn | Publish | Checkpoint | Launch
+Effect = Apply | Keep | StepBack | Record | Contributing | Warn | Publish | Evaluate | Checkpoint | Launch
 Command = CheckRun | Train | Average | AwaitRound | Download | Stop
 Action = Effect | Command

@@ -43,6 +43,7 @@ from dilocod.rounds.events import (
     Closed,
     Contributing,
     Download,
+    Evaluate,
     Event,
     Keep,
     Launch,
@@ -141,8 +142,12 @@ def _on_averaged(
     outcome, effects = _settle(state, attempt, facts, settings)
     next_state = _after(state, outcome, facts, settings)
     actions: list[Action] = [*effects, *_contributing(next_state, outcome, facts, settings)]
+    # The round's record comes right after the step it made (the API never shows a step without its
+    # round), then the others' clocks learn of it; evaluating waits until both are done.
     if outcome in SUCCESS or outcome is Outcome.STEPPED_BACK:
         actions.append(Publish())
+    if outcome in SUCCESS:
+        actions.append(Evaluate())
     actions, next_state = _maybe_checkpoint(next_state, actions, settings)
     command = _next_command(next_state, outcome, facts, settings)
     if any(isinstance(a, Launch) for a in command):
