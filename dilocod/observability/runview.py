@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 from dilocod.observability.history import RunHistory
@@ -51,18 +52,32 @@ class NodeRunView:
 
     The round clock reads the records several times a second near a round's close, and several parts
     of the peer read them at once; reads within `max_age` seconds share one DHT lookup.
+
+    Peers we ban (`excluded`) are not part of the run as we see it: their tokens never reach our
+    θ_global (a banned member weighs 0), so counting them would close our rounds early, and their
+    records get no say in which step the run is at.
     """
 
-    def __init__(self, node: Node, metrics: Metrics | None = None, max_age: float = 0.1) -> None:
-        self.node, self.metrics, self.max_age = node, metrics, max_age
+    def __init__(
+        self,
+        node: Node,
+        metrics: Metrics | None = None,
+        max_age: float = 0.1,
+        excluded: Callable[[], Collection[str]] = tuple,
+    ) -> None:
+        self.node, self.metrics, self.max_age, self.excluded = node, metrics, max_age, excluded
         self._cache: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def records(self) -> list[dict[str, Any]]:
-        return await self._read(STATUS_KEY)
+        return self._without_excluded(await self._read(STATUS_KEY))
 
     async def helpers(self) -> list[dict[str, Any]]:
-        return await self._read(HELPERS_KEY)
+        return self._without_excluded(await self._read(HELPERS_KEY))
+
+    def _without_excluded(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        excluded = set(self.excluded())
+        return [r for r in records if r["peer_id"] not in excluded] if excluded else records
 
     async def _read(self, key: str) -> list[dict[str, Any]]:
         async with self._locks.setdefault(key, asyncio.Lock()):

@@ -131,7 +131,7 @@ class PeerDaemon:
             PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, network.client and overlap == "none"),
             trainer, outer, resumed.feedback, self.adversary, cfg.averaging.wire_codec(),
         )  # fmt: skip
-        view = NodeRunView(network.node)
+        view = NodeRunView(network.node, excluded=self.bans.peer_ids)
         self.sync = StateSync(
             cfg, outer, trainer, network.group, self.adversary,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
