@@ -220,14 +220,15 @@ def _watch(swarm: Swarm, args: DemoArgs, started: float, tty: bool) -> int:
         statuses = swarm.statuses()
         line = progress_line(statuses)
         reached = min((s["outer_step"] for s in statuses), default=0) if len(statuses) == args.peers else 0
-        if reached >= 1 and not first_round_reported:
-            first_round_reported = True
-            print(f"\nfirst outer round completed {time.monotonic() - started:.1f}s after start", flush=True)
+        # The progress line first: whoever reads "first outer round completed" also finds the step it reached.
         if tty:
             print("\r" + line.ljust(110), end="", flush=True)
         elif line != last_line and "inner" in line:
             print(line, flush=True)
         last_line = line
+        if reached >= 1 and not first_round_reported:
+            first_round_reported = True
+            print(f"\nfirst outer round completed {time.monotonic() - started:.1f}s after start", flush=True)
         if args.rounds and reached >= args.rounds:
             print(f"\nreached outer step {args.rounds} in {time.monotonic() - started:.1f}s", flush=True)
             return 0
