@@ -7,6 +7,7 @@ agreed averages, so every peer reports the same bits after every outer step.
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Callable
 
@@ -36,10 +37,12 @@ def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., S
         assert status["round"] == status["outer_step"] + 1, status
     assert all(st["tokens_contributed"] > 0 for st in statuses)
 
-    # Loss falls over the whole run: read it from a peer that was there from the first round (a late one
-    # sees only the last few, where a noisy eval may tick up).
+    # It trains: the untrained byte model's loss is ln 256 ≈ 5.5, and 8 short rounds reach the plateau of
+    # letter frequencies (~3.1–3.4) where the eval of a working copy a round ahead of θ_global wobbles by
+    # ±0.3 (so the first and last evals are not ordered). A wrong sign or a doubled step stays far above.
     evals = [e["eval_loss"] for e in never_resynced[0]["rounds"] if e["eval_loss"] is not None]
-    assert evals[-1] < evals[0], evals
+    last = evals[-3:]
+    assert len(last) == 3 and sum(last) / 3 < math.log(256) - 1.5, evals
 
     # SIGTERM with a round possibly in flight: a clean exit with a checkpoint.
     leaver = s.peers[0]
