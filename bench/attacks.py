@@ -35,7 +35,7 @@ def run(root: Path, args: argparse.Namespace, mode: str | None, reducer: str) ->
     honest = args.peers - args.attackers
     s = start_run(root, honest, args.attackers, mode, f"averaging.reducer={reducer}")
     try:
-        return s.wait_all_at(args.rounds, timeout=args.timeout, peers=s.peers[-honest:])
+        return s.wait_all_at(args.rounds, timeout=args.timeout, peers=s.peers[-honest:], evaluated=True)
     except AssertionError as e:  # a wrecked run's peers stop meeting: that is a result, not a crash
         print(f"  ({reducer}, {mode}: {str(e).splitlines()[0]})", file=sys.stderr)
         return []

@@ -56,6 +56,7 @@ STATUS = Schema(
         Field("tokens_contributed", "int", optional=True, min=0),
         Field("contributing", "bool", optional=True),
         Field("settings_hash", "hex", optional=True, min=16, max=16),
+        Field("training", "bool", optional=True),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.

@@ -63,6 +63,16 @@ def round_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
     return by_step
 
 
+def _latest_evaluated(status: dict[str, Any]) -> bool:
+    """Whether the record of the peer's latest outer step, if it made one, holds its eval loss."""
+    latest = [
+        e
+        for e in status["rounds"]
+        if e["outer_step"] == status["outer_step"] and e["result"] in ("ok", "alone")
+    ]
+    return all(e["eval_loss"] is not None for e in latest)
+
+
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
     """Poll `probe` until it returns something truthy; fail the test with `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
@@ -248,14 +258,20 @@ class Swarm:
 
         return wait_for(f"{proc.name} to serve /api/status", probe, timeout, self.poll_interval)
 
-    def wait_all_at(self, step: int, timeout: float, peers: list[Proc] | None = None) -> list[dict[str, Any]]:
+    def wait_all_at(
+        self, step: int, timeout: float, peers: list[Proc] | None = None, evaluated: bool = False
+    ) -> list[dict[str, Any]]:
+        """Statuses once every peer is at `step` or later. With `evaluated`, also once the eval loss of
+        each peer's latest outer step is in its record (a step is recorded before it is evaluated)."""
         group = peers if peers is not None else self.peers
 
         def probe() -> list[dict[str, Any]] | None:
             for proc in group:
                 assert proc.alive, f"{proc.name} exited:\n{proc.output()[-3000:]}"
             statuses = [proc.status() for proc in group]
-            return statuses if all(s["outer_step"] >= step for s in statuses) else None
+            if not all(s["outer_step"] >= step for s in statuses):
+                return None
+            return statuses if not evaluated or all(map(_latest_evaluated, statuses)) else None
 
         return wait_for(f"all peers at outer step {step}", probe, timeout, self.poll_interval)
 

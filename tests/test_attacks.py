@@ -34,7 +34,7 @@ def run_swarm(
     """3 honest peers (+ 1 attacker, peer-0) trained to outer step `rounds`."""
     s = start_run(root, 3, 1, attacker, *extra)
     try:
-        statuses = s.wait_all_at(rounds, timeout=400, peers=s.peers[-3:])
+        statuses = s.wait_all_at(rounds, timeout=400, peers=s.peers[-3:], evaluated=True)
     except BaseException:
         s.close()
         raise
@@ -46,7 +46,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     s, _ = run_swarm(tmp_path_factory.mktemp("clean"), None)
     try:
         # a few rounds more than the attacked runs need: they are compared at the step they reached
-        return s.wait_all_at(ROUNDS + 4, timeout=300)
+        return s.wait_all_at(ROUNDS + 4, timeout=300, evaluated=True)
     finally:
         s.close()  # its statuses hold the history; the swarm itself must not keep using the CPU
 

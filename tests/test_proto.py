@@ -79,6 +79,7 @@ status_records = st.fixed_dictionaries(
         "tokens_contributed": st.none() | st.integers(0, INT64_MAX),
         "contributing": st.none() | st.booleans(),
         "settings_hash": st.none() | st.text(alphabet="0123456789abcdef", min_size=16, max_size=16),
+        "training": st.none() | st.booleans(),
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -160,6 +161,7 @@ def example(schema: Schema) -> dict[str, Any]:
             "tokens_contributed": 3_900_000,
             "contributing": True,
             "settings_hash": "0123456789abcdef",
+            "training": True,
         }
     if schema is ROUND_TICKET:
         return {
@@ -550,7 +552,7 @@ def test_older_version_accepted_when_schema_grows() -> None:
 
 
 V6 = ("round", "round_tokens", "round_opened", "reference_tokens", "tokens_trained", "tokens_contributed",
-      "contributing", "settings_hash")  # fmt: skip
+      "contributing", "settings_hash", "training")  # fmt: skip
 V5_ON = ("round_steps", *V6)
 
 

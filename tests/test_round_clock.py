@@ -107,6 +107,15 @@ def test_progress_comes_from_trainers_records_only() -> None:
     assert clock.progress_from_record(record) == Progress("a", 3, 10, 5.0, 100.0, 90.0, 1000)
     assert clock.progress_from_record({**record, "role": "helper"}) is None
     assert clock.progress_from_record({**record, "round": None}) is None  # a peer of an older version
+    assert clock.progress_from_record({**record, "training": False}).training is False  # type: ignore[union-attr]
+
+
+def test_a_trainer_that_is_not_taking_steps_is_not_extrapolated() -> None:
+    # b published 2 s ago, then began evaluating the step it applied (or matchmaking): its tokens have
+    # not grown since. Projecting them would close the round 2 × 100 tokens early, every round.
+    b_idle = Progress("b", 3, 300, 100, 98.0, 90.0, None, training=False)
+    close = estimate_close([p("a", 500, 100, time=100.0), b_idle], FIXED, 100.0, 90.0)
+    assert close.expected == 800 and close.rate == 200 and close.at == 100.0 + 5200 / 200
 
 
 def test_trainers_still_showing_the_round_before_count_towards_the_size_not_the_tokens() -> None:

@@ -183,6 +183,7 @@ class PeerState:
             "tokens_contributed": int(self.tokens_contributed),
             "contributing": self.contributing,
             "settings_hash": self.settings_hash,
+            "training": self.stretch_since is not None,
         }
 
     @property

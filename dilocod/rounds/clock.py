@@ -5,6 +5,7 @@ trains (`round`), the tokens it trained in that round so far (`round_tokens`), i
 the round opened. Every peer (and every auxiliary reducer) computes the same estimate from the same records:
 
     expected tokens now = Σ over live trainers in the round of  tokens_i + tokens_per_second_i · age_i
+                          (the age term only for a trainer whose record says it is taking inner steps)
     close = now + (target − expected) / Σ tokens_per_second_i,   at the latest  opened + max_seconds
 
 which is how hivemind's collaborative optimizer schedules its global steps (its progress tracker), with
@@ -52,6 +53,10 @@ class Progress:
     time: float  # unix time the numbers were taken
     opened: float | None  # unix time the round opened, as this peer knows it
     reference_tokens: int | None = None  # its H × batch × seq_len (for the auto target)
+    # Taking inner steps when the numbers were taken. Only then do its tokens grow after `time`: a peer
+    # evaluating, matchmaking or averaging trains nothing, and projecting its rate over those seconds
+    # would close the run's rounds early (by its eval time × its rate, every round).
+    training: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ def progress_from_record(record: Mapping[str, Any]) -> Progress | None:
         time=float(record["time"]),
         opened=record.get("round_opened"),
         reference_tokens=record.get("reference_tokens"),
+        training=record.get("training") is not False,
     )
 
 
@@ -134,7 +140,9 @@ def estimate_close(
     its rate, not yet its tokens (hivemind's tracker likewise counts every peer's throughput)."""
     everyone = [*trainers, *arriving]
     target = settings.target(everyone)
-    expected = sum(p.tokens + max(0.0, now - p.time) * p.tokens_per_second for p in trainers)
+    expected = sum(
+        p.tokens + (max(0.0, now - p.time) * p.tokens_per_second if p.training else 0.0) for p in trainers
+    )
     rate = sum(p.tokens_per_second for p in everyone)
     latest = opened + settings.max_seconds
     if expected >= target:

@@ -150,9 +150,12 @@ class RoundDriver:
         timer = self.timer
         timer.reset(hold)
         tracker = asyncio.create_task(timer.track(self.outer.step))
+        training = asyncio.create_task(self.parts.training.train(self._should_stop))
         try:
-            await self.parts.training.train(self._should_stop)
+            await self._announce_training()
+            await training
         finally:
+            await cancelled_quietly(training)  # type: ignore[arg-type]
             await cancelled_quietly(tracker)  # type: ignore[arg-type]
         if self._stopping.is_set():
             return Stopping()
@@ -162,6 +165,15 @@ class RoundDriver:
             self.tokens.round, timer.group_target,
         )  # fmt: skip
         return Closed(await self.facts())
+
+    async def _announce_training(self) -> None:
+        """Tell the others' clocks at once that our tokens grow again: until our record says so, they count
+        none of this round's (a record made while we evaluated or averaged says we were not training)."""
+        await asyncio.sleep(0)  # the trainer task has marked the stretch of inner steps as begun
+        try:
+            await self.effects.publisher.publish()
+        except Exception as e:  # a DHT hiccup: the periodic record follows within a status interval
+            log.debug("status publish at the round's start failed: %r", e)
 
     def _should_stop(self) -> bool:
         """Called by the trainer thread before each inner step."""
