@@ -27,7 +27,7 @@ def _ok_counts(statuses: list[dict[str, Any]]) -> dict[int, int]:
 
 def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None:
     s = swarm(3)
-    statuses = s.wait_all_at(3, timeout=240)
+    statuses = s.wait_all_at(3, timeout=240, evaluated=True)
 
     # Every peer that reports a given outer step holds the same θ_global bits.
     hashes = round_hashes(statuses)
@@ -37,12 +37,14 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"
     assert all(status["group_size"] >= 2 for status in statuses)
 
-    # Loss falls: the first averaged round's train loss vs the latest eval/train loss.
+    # Loss falls: the first averaged round's train loss vs the latest, and θ_global's held-out loss far
+    # below an untrained model's ln 256. (Not eval vs eval: at 3 rounds of H = 5 two evals of 2 batches
+    # differ by noise as much as by training; measured 3.32, 3.42, 3.34.)
     history = statuses[0]["rounds"]
     first_loss = next(e["loss"] for e in history if e["loss"] is not None)
     assert first_loss > statuses[0]["loss"], (first_loss, statuses[0]["loss"])
     evals = [e["eval_loss"] for e in history if e["eval_loss"] is not None]
-    assert evals[-1] < evals[0] < math.log(256) + 0.5, evals
+    assert evals and evals[-1] < math.log(256) - 1.0, evals
 
     # The bootstrap sees the whole run.
     assert s.bootstrap is not None
