@@ -75,6 +75,19 @@ class BothStreams:
         return torch.cat([x0, x1]), torch.cat([y0, y1])
 
 
+def both_ranks_in_one(data: DataConfig) -> InnerTrainer:
+    """The reference: one process, one batch holding both ranks' windows (equal halves, so its mean loss
+    and gradient are the mean of the two ranks')."""
+    ref = make_trainer(data, replace(CFG, devices=1))
+    s = ref.sampler
+    other = ShardSampler(
+        ref.corpus.train, seed=0, peer_key="node", num_shards=s.num_shards, batch_size=s.batch_size,
+        seq_len=s.seq_len, stream=1,
+    )  # fmt: skip
+    ref.sampler = BothStreams(ref.sampler, other)  # type: ignore[assignment]
+    return ref
+
+
 def test_two_ranks_stay_identical_and_train_on_both_batches(
     data: DataConfig, start_group: Callable[[InnerTrainer], LocalGroup]
 ) -> None:
@@ -83,16 +96,7 @@ def test_two_ranks_stay_identical_and_train_on_both_batches(
     assert trainer.world_size == 2 and len(group.pids) == 1
     assert trainer.tokens_per_step == 2 * CFG.batch_size * CFG.seq_len
 
-    # The reference: one process, one batch holding both ranks' windows (equal halves, so its mean loss
-    # and gradient are the mean of the two ranks').
-    ref = make_trainer(data, replace(CFG, devices=1))
-    s = ref.sampler
-    other = ShardSampler(
-        ref.corpus.train, seed=0, peer_key="node", num_shards=s.num_shards, batch_size=s.batch_size,
-        seq_len=s.seq_len, stream=1,
-    )  # fmt: skip
-    ref.sampler = BothStreams(ref.sampler, other)  # type: ignore[assignment]
-
+    ref = both_ranks_in_one(data)
     for _ in range(4):
         stats = trainer.train_steps(1)
         assert stats.tokens == 2 * CFG.batch_size * CFG.seq_len
@@ -100,6 +104,24 @@ def test_two_ranks_stay_identical_and_train_on_both_batches(
         assert digests[0] == digests[1] == params_sha256(trainer), "ranks diverged after an inner step"
         expected = ref.train_steps(1)
         assert stats.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
+    for mine, theirs in zip(trainer.params(), ref.params(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-4)
+
+
+def test_micro_batches_in_a_local_group(
+    data: DataConfig, start_group: Callable[[InnerTrainer], LocalGroup]
+) -> None:
+    """trainer.micro_batch_size with 2 ranks: each rank accumulates its batch in pieces, the gradients are
+    averaged once (the last piece's backward) and the step is the whole node batch's step."""
+    trainer = make_trainer(data, replace(CFG, micro_batch_size=CFG.batch_size // 2))  # the worker's too
+    group = start_group(trainer)
+    ref = both_ranks_in_one(data)
+    for _ in range(3):
+        stats = trainer.train_steps(1)
+        assert stats.tokens == 2 * CFG.batch_size * CFG.seq_len
+        digests = group.digests()
+        assert digests[0] == digests[1] == params_sha256(trainer), "ranks diverged after an inner step"
+        assert stats.mean_loss == pytest.approx(ref.train_steps(1).mean_loss, rel=1e-5)
     for mine, theirs in zip(trainer.params(), ref.params(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-4)
 

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from .data import Corpus, DataConfig, ShardSampler, eval_batches, load_corpus
 from .model import ModelConfig, Transformer, build_model, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
 from .settings import TrainerConfig, checkpointing_enabled, cpu_threads, lr_at, resolve_devices
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 _STATE_VERSION = 1
 
@@ -96,6 +99,7 @@ class InnerTrainer:
         self.model.activation_checkpointing = checkpointing_enabled(cfg, model_cfg.preset, self.device)
         self.world_size = 1  # ranks training together; more once a local group joins (`local.py`)
         self._followers: Followers | None = None
+        self._ddp: DistributedDataParallel | None = None  # set while in a local group
         # What runs the training forward/backward: the model, maybe compiled, maybe data-parallel.
         self._train_model: nn.Module = self._compiled(self.model)
         if cfg.seq_len > self.model.spec.max_seq_len:
@@ -160,6 +164,7 @@ class InnerTrainer:
             device_ids=[self.device] if self.device.type == "cuda" else None,
             forward_sync_buffers=False,  # the model has no buffers: no collective per forward
         )
+        self._ddp = ddp
         self._train_model = self._compiled(ddp)
         self.world_size = world_size
         self._followers = followers
@@ -167,6 +172,7 @@ class InnerTrainer:
     def leave_local_group(self) -> None:
         """Train alone again (after `local.LocalGroup.stop`)."""
         self._train_model = self._compiled(self.model)
+        self._ddp = None
         self.world_size = 1
         self._followers = None
 
@@ -216,8 +222,13 @@ class InnerTrainer:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group may scale the schedule
-        loss = self._loss(self._train_model, *self.sampler.batch(self.data_position))
-        loss.backward()  # with a local group, this also averages the gradients across ranks
+        x, y = self.sampler.batch(self.data_position)
+        micro = self.cfg.micro_batch_size
+        if 0 < micro < x.shape[0]:
+            loss = self._accumulate(x, y, micro)
+        else:
+            loss = self._loss(self._train_model, x, y)
+            loss.backward()  # with a local group, this also averages the gradients across ranks
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)
         self.optimizer.step()
@@ -229,6 +240,23 @@ class InnerTrainer:
             dist.all_reduce(loss)
             loss = loss / self.world_size
         return loss
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
+        """Forward and backward over the batch in pieces of ``micro`` sequences (`trainer.micro_batch_size`).
+
+        Each piece's mean loss is divided by the number of pieces (all the same size), so the gradients
+        they add up to are the whole batch's mean gradient (up to summation order) and the returned
+        (detached) loss is the batch's mean loss. In a local group only the last backward all-reduces.
+        """
+        pieces = list(zip(x.split(micro), y.split(micro), strict=True))
+        total = torch.zeros((), device=self.device)
+        for i, (x_piece, y_piece) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with contextlib.nullcontext() if self._ddp is None or last else self._ddp.no_sync():
+                loss = self._loss(self._train_model, x_piece, y_piece) / len(pieces)
+                loss.backward()
+            total += loss.detach()
+        return total
 
     def follow_step(self, step: int, data_position: int) -> None:
         """A rank > 0 of a local group takes the step rank 0 announced (same lr, its own batch)."""

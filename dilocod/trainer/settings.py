@@ -26,8 +26,11 @@ class TrainerConfig:
     """The ``[trainer]`` section of the config file."""
 
     inner_steps: int = 20  # H: local steps per outer round
-    batch_size: int = 16
+    batch_size: int = 16  # sequences per inner step and local device
     seq_len: int = 128
+    # Sequences per forward/backward pass, gradients accumulated over batch_size / micro_batch_size of
+    # them before the one optimizer step: this machine's memory, not the run's tokens per step. 0: all.
+    micro_batch_size: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.1
     warmup_steps: int = 50
@@ -50,6 +53,12 @@ class TrainerConfig:
             ("inner_steps", self.inner_steps >= 1, ">= 1"),
             ("batch_size", self.batch_size >= 1, ">= 1"),
             ("seq_len", self.seq_len >= 2, ">= 2"),
+            (
+                "micro_batch_size",
+                self.micro_batch_size == 0
+                or (self.micro_batch_size >= 1 and self.batch_size % self.micro_batch_size == 0),
+                f"0 (the whole batch at once) or a divisor of trainer.batch_size ({self.batch_size})",
+            ),
             ("lr", math.isfinite(self.lr) and self.lr > 0, "a finite number > 0"),
             ("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, ">= 0"),
             ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
