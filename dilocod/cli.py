@@ -8,9 +8,10 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dilocod import DEFAULT_RUN_ID, __version__
 
@@ -49,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument(
         "peers", nargs="*", metavar="MULTIADDR", help="bootstrap/peer multiaddrs (/ip4/…/p2p/…)"
     )
-    join.add_argument("--config", type=Path, help="TOML config (e.g. configs/tiny.toml)")
+    join.add_argument(
+        "--config",
+        type=Path,
+        help="TOML config: this machine's own keys (and, with no peers given, a new run's settings); "
+        "run-wide keys come from the run's manifest",
+    )
     join.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     join.add_argument(
         "--run-dir", type=Path, default=None, help="checkpoint, identity and logs (default runs/<run.id>)"
@@ -102,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--maddr-file", type=Path, help="also write the multiaddrs to this file")
     boot.add_argument("--identity", type=Path, help="key file for a stable peer id across restarts")
+    boot.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the run's home: identity, manifest and log (restarted with it: same peer id, same manifest)",
+    )
     boot.add_argument("-v", "--verbose", action="store_true")
 
     demo = sub.add_parser("demo", help="a whole local swarm on loopback: bootstrap + N peers")
@@ -136,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
         )
     from dilocod.config import ConfigError
+    from dilocod.manifest.record import ManifestError
     from dilocod.statesync.checkpoint import CheckpointError
     from dilocod.trainer import DataError
     from peers.errors import PeersError
@@ -146,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bootstrap":
             return _bootstrap(args)
         return _demo(args)
-    except (ConfigError, CheckpointError, DataError) as e:
+    except (ConfigError, ManifestError, CheckpointError, DataError) as e:
         return _fail(str(e), EXIT_USAGE)
     except PeersError as e:
         return _fail(str(e), EXIT_USAGE if str(e).startswith("bad multiaddr") else EXIT_NETWORK)
@@ -167,7 +179,9 @@ def entry() -> NoReturn:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"dilocod: error: {message}", file=sys.stderr)
+    """Print `message` (a line per problem, e.g. one per contradicted key) and return `code`."""
+    for line in message.splitlines() or [""]:
+        print(f"dilocod: error: {line}", file=sys.stderr)
     return code
 
 
@@ -186,28 +200,40 @@ def join_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from dilocod.config import load_config
+    from dilocod.config import ConfigError, config_from_raw, read_raw
+    from dilocod.manifest.obtain import joined_line, manifest_for_peer
+    from dilocod.manifest.record import ManifestError
     from dilocod.processes.peer import PeerArgs, PeerDaemon
     from dilocod.processes.runtime import install_stop_signals, run_main, setup_logging
     from dilocod.trainer import LocalGroupError
     from peers.node import parse_multiaddr
 
-    config = load_config(args.config, join_overrides(args))
+    local_raw = read_raw(args.config, join_overrides(args))
+    local = config_from_raw(local_raw)  # this machine's own keys fail here, before the network
     for text in args.peers:
         parse_multiaddr(text)
-    for text in config.net.announce:
+    for text in local.net.announce:
         parse_multiaddr(text, need_peer_id=False)
-    run_dir = args.run_dir or Path("runs") / config.run.id
-    setup_logging(run_dir / "dilocod.log", verbose=args.verbose)
-    daemon_args = PeerArgs(config, run_dir, tuple(args.peers), args.http_host, args.http_port)
+    setup_logging(None, verbose=args.verbose)
 
     async def _main() -> int:
-        daemon = PeerDaemon(daemon_args)
+        # The run's settings come from its manifest (dilocod/manifest/): fetched from the peers given, or,
+        # with none, this peer starts the run with its own config.
+        joined, run_dir = await manifest_for_peer(local_raw, args.run_dir, tuple(args.peers), local.net.host)
+        setup_logging(run_dir / "dilocod.log", verbose=args.verbose)
+        print(joined_line(joined.manifest), flush=True)
+        daemon = PeerDaemon(
+            PeerArgs(
+                joined.config, joined.manifest, run_dir, tuple(args.peers), args.http_host, args.http_port
+            )
+        )
         install_stop_signals(daemon.stopping)
         return await daemon.run()
 
     try:
         return run_main(_main())
+    except (ConfigError, ManifestError):
+        raise  # every line of it is the user's to read (main prints them)
     except ValueError as e:  # a checkpoint of another run, a state mismatch: the user's to fix
         return _fail(str(e).split("\n")[0], EXIT_USAGE)
     except LocalGroupError as e:  # a local worker died (its own traceback is above)
@@ -215,9 +241,9 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from dilocod.config import load_config
-    from dilocod.processes.bootstrap import BootstrapArgs, BootstrapDaemon
-    from dilocod.processes.runtime import install_stop_signals, run_main, setup_logging
+    from dilocod.config import config_from_raw, read_raw
+    from dilocod.manifest.obtain import manifest_for_bootstrap
+    from dilocod.processes.runtime import run_main, setup_logging
     from peers.node import parse_multiaddr
 
     for text in args.peers:
@@ -230,30 +256,49 @@ def _bootstrap(args: argparse.Namespace) -> int:
         if (missing := relay_available()) is not None:
             return _fail(f"--relay: {missing}", EXIT_USAGE)
     overrides = [*args.overrides, *([f'run.id="{args.run_id}"'] if args.run_id is not None else [])]
-    config = load_config(args.config, overrides)
-    setup_logging(None, verbose=args.verbose)
+    local_raw = read_raw(args.config, overrides)
+    config_from_raw(local_raw)  # this machine's own keys fail here, before the network
+    setup_logging(args.run_dir / "bootstrap.log" if args.run_dir else None, verbose=args.verbose)
+    identity = args.identity or (args.run_dir / "identity.key" if args.run_dir else None)
+
+    async def _main() -> int:
+        with contextlib.ExitStack() as stack:
+            # Without a run dir or --identity the bootstrap's identity lives as long as it runs.
+            key = (
+                identity
+                or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-"))) / "id.key"
+            )
+            joined = await manifest_for_bootstrap(local_raw, args.run_dir, tuple(args.peers), key, args.host)
+            print(f"run '{joined.manifest.run_id}': manifest {joined.manifest.hash}", flush=True)
+            return await _serve_bootstrap(args, joined, key)
+
+    return run_main(_main())
+
+
+async def _serve_bootstrap(args: argparse.Namespace, joined: Any, identity: Path) -> int:
+    from dilocod.processes.bootstrap import BootstrapArgs, BootstrapDaemon
+    from dilocod.processes.runtime import install_stop_signals
+
     boot_args = BootstrapArgs(
-        run_id=config.run.id,
+        run_id=joined.config.run.id,
         host=args.host,
         port=args.port,
         http_host=args.http_host,
         http_port=args.http_port,
         maddr_file=args.maddr_file,
-        identity_path=args.identity,
+        identity_path=identity,
         announce=tuple(args.announce),
         initial_peers=tuple(args.peers),
-        config=config,
+        config=joined.config,
+        manifest=joined.manifest,
+        run_dir=args.run_dir,
         reduce=not args.no_reduce,
         relay=args.relay,
         relay_port=args.relay_port,
     )
-
-    async def _main() -> int:
-        daemon = BootstrapDaemon(boot_args)
-        install_stop_signals(daemon.stopping)
-        return await daemon.run()
-
-    return run_main(_main())
+    daemon = BootstrapDaemon(boot_args)
+    install_stop_signals(daemon.stopping)
+    return await daemon.run()
 
 
 def _demo(args: argparse.Namespace) -> int:

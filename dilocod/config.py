@@ -223,16 +223,27 @@ def num_parameter_tensors(preset: str) -> int:
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read `path` (or the defaults), apply `section.key=value` overrides, type-check and validate."""
+    return config_from_raw(read_raw(path, overrides))
+
+
+def read_raw(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
+    """The keys `path` and the overrides set, as read (not yet type-checked): what the user chose."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_toml(Path(path))
     for item in overrides:
         _apply_override(raw, item)
-    config = _build(Config, raw, prefix="")
-    try:
-        config.validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return raw
+
+
+def config_from_raw(raw: dict[str, Any], *, validate: bool = True) -> Config:
+    """Type-check `raw` (defaults for what it leaves out) and, unless told not to, validate the whole."""
+    config: Config = _build(Config, raw, prefix="")
+    if validate:
+        try:
+            config.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return config
 
 
@@ -336,35 +347,6 @@ def _coerce_union(value: Any, options: tuple[Any, ...], key: str) -> Any:
 
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-# The settings every trainer of a run must share: peers that differ in one of them cannot average together
-# (or would train another model). Their hash travels in status records, so a peer can tell when it is the
-# odd one out (rounds/reasons.py). Not here: machine-local keys (devices, threads, ports) and what token
-# weights make safe to differ (batch size, H, the inner optimizer: the run's clock follows the median
-# peer's H × batch × seq_len, and each contribution counts by its tokens).
-RUN_WIDE_SETTINGS = {
-    "run": ("id", "seed"),
-    "model": ("preset",),
-    "data": ("source", "text_field", "eval_fraction", "num_shards", "max_bytes"),
-    "round": ("tokens", "max_seconds"),
-    "outer": ("lr", "momentum", "nesterov", "overlap", "fragments", "mix_alpha"),
-    "averaging": ("compression", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",
-                  "screen_norm_ratio"),
-}  # fmt: skip
-
-
-def settings_hash(config: Config) -> str:
-    """16 hex digits of sha256 over the run-wide settings (`RUN_WIDE_SETTINGS`), canonically encoded."""
-    import hashlib
-    import json
-
-    chosen = {
-        section: {key: getattr(getattr(config, section), key) for key in keys}
-        for section, keys in RUN_WIDE_SETTINGS.items()
-    }
-    text = json.dumps(chosen, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:

@@ -189,6 +189,21 @@ def peer_id_of(public_der: bytes) -> bytes:
     return _SHA256_MULTIHASH + hashlib.sha256(encoded).digest()
 
 
+def signed_by(public_der: bytes, message: bytes, signature: bytes) -> str | None:
+    """The base58 peer id of the RSA key that made `signature` over `message`; None when it did not
+    (or the key is no RSA key of a sane size). Stranger data: never raises."""
+    try:
+        key = serialization.load_der_public_key(public_der)
+        if not isinstance(key, rsa.RSAPublicKey) or key.key_size > 8192:
+            return None
+        key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+    except (InvalidSignature, ValueError, TypeError):
+        return None
+    except Exception:
+        return None
+    return PeerID(peer_id_of(public_der)).to_base58()
+
+
 # ---------------------------------------------------------------- DHT records
 
 

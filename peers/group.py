@@ -43,6 +43,7 @@ class AveragingOptions:
     # matchmaking by its name, so only peers with the same codec meet).
     codec: PartCodec | None = field(default=None, compare=False)
     corrupt_reductions: bool = False  # adversary test mode: reduce dishonestly
+    run_tag: str | None = None  # keys matchmaking (the run manifest's hash): other tags never meet
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class GroupAverager:
             await loop.run_in_executor(None, averager.set_subset, chosen)
             self._subset = chosen
         codec_name = None if self.options.codec is None else self.options.codec.name
-        bits = round_group_bits(round_index, codec_name, chosen)
+        bits = round_group_bits(round_index, codec_name, chosen, self.options.run_tag)
         await loop.run_in_executor(None, averager.set_group_bits, bits)
         if group_target != self._group_target:
             await loop.run_in_executor(None, averager.set_group_target, group_target)

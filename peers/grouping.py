@@ -37,22 +37,28 @@ def share_by_bandwidth(total_size: int, bandwidths: Sequence[float | None]) -> t
 
 # Which wire protocol a round speaks: peers of another version never share a matchmaking key (a v2 peer's
 # ticket has no tokens; see proto.ROUND_TICKET), so they never meet rather than fail each other's rounds.
-ROUND_PROTOCOL = "dilocod.round.3"
+ROUND_PROTOCOL = "dilocod.round.4"
 
 
 def round_group_bits(
-    round_index: int, codec_name: str | None = None, subset: Sequence[int] | None = None
+    round_index: int,
+    codec_name: str | None = None,
+    subset: Sequence[int] | None = None,
+    run_tag: str | None = None,
 ) -> str:
     """Group-key bits that put only peers at the same outer step into the same matchmaking bucket.
 
     32 bits of the step, then 16 bits from a hash of the round protocol, the codec's name (peers whose
     parts would not decode for each other look for groups under different keys) and, for one fragment,
-    its tensor indices (only peers averaging the very same tensors meet).
+    its tensor indices (only peers averaging the very same tensors meet) and the run's tag (the hash of
+    the run manifest: nodes of different manifests look for groups under different keys).
     """
     bits = format(round_index % 2**32, "032b")
     name = f"{ROUND_PROTOCOL}.codec.{codec_name}"
     if subset is not None:
         name += ".tensors." + ",".join(str(i) for i in subset)
+    if run_tag is not None:
+        name += f".run.{run_tag}"
     tag = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
     return bits + format(tag, "016b")
 

@@ -125,7 +125,7 @@ def agree_weights(
 
 def _majority(tickets: Sequence[dict[str, Any] | None], modes: Sequence[AveragingMode]) -> list[bool]:
     keys = [
-        (t["outer_step"], t["global_sha256"], t["num_params"])
+        (t["outer_step"], t["global_sha256"], t["num_params"], t.get("manifest_hash"))
         if t is not None and t["role"] == "peer" and mode != AveragingMode.AUX
         else None
         for t, mode in zip(tickets, modes)

@@ -13,7 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers import reachability
+from peers import reachability, runinfo
 from peers.auth import Identity, RunAuth, RunRecordValidator
 from peers.errors import PeersError
 
@@ -188,6 +188,10 @@ class Node:
     async def serve_dialback(self, relays: Sequence[str] = ()) -> None:
         """Answer other peers' reachability checks (peers/reachability.py) on our p2pd."""
         await reachability.serve_dialback(await self.started.replicate_p2p(), relays=relays)
+
+    async def serve_manifest(self, provider: Callable[[], bytes | None]) -> None:
+        """Serve the run's manifest (opaque signed bytes) to nodes that ask (peers/runinfo.py)."""
+        await runinfo.serve_manifest(await self.started.replicate_p2p(), provider)
 
     # ---- records ----------------------------------------------------------------------------------
     def run_key(self, name: str) -> str:

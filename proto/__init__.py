@@ -4,12 +4,15 @@ Imports only the standard library and msgpack, so any component (or a third-part
 """
 
 from proto.records import (
+    MANIFEST,
     ROUND_TICKET,
     STATE_META,
     STATUS,
+    decode_manifest,
     decode_state_meta,
     decode_status,
     decode_ticket,
+    encode_manifest,
     encode_state_meta,
     encode_status,
     encode_ticket,
@@ -17,6 +20,7 @@ from proto.records import (
 from proto.schema import Field, ProtoError, Schema, decode, encode
 
 __all__ = [
+    "MANIFEST",
     "ROUND_TICKET",
     "STATE_META",
     "STATUS",
@@ -24,10 +28,12 @@ __all__ = [
     "ProtoError",
     "Schema",
     "decode",
+    "decode_manifest",
     "decode_state_meta",
     "decode_status",
     "decode_ticket",
     "encode",
+    "encode_manifest",
     "encode_state_meta",
     "encode_status",
     "encode_ticket",

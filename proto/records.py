@@ -1,4 +1,5 @@
-"""The concrete wire messages of dilocod (STATUS at version 6, ROUND_TICKET at 3, STATE_META at 1).
+"""The concrete wire messages of dilocod (STATUS at version 7, ROUND_TICKET at 4, STATE_META at 1,
+MANIFEST at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
 """
@@ -14,7 +15,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=6,
+    version=7,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -57,6 +58,8 @@ STATUS = Schema(
         Field("contributing", "bool", optional=True),
         Field("settings_hash", "hex", optional=True, min=16, max=16),
         Field("training", "bool", optional=True),
+        # v7: the run manifest the sender runs with (dilocod/manifest/): peers of other manifests are flagged.
+        Field("manifest_hash", "hex", optional=True, min=64, max=64),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -86,6 +89,8 @@ on data checked later (the round ticket, the state download's hash), never on th
 - compute_utilization (v3): time in inner steps ÷ wall time since the sender started training (0–1).
 - relayed (v4): true when the sender's pseudo-gradients reach the others through a relay or a public
   reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
+- settings_hash (v6): superseded by manifest_hash; still accepted from v6 senders.
+- manifest_hash (v7): sha256 of the run manifest the sender runs with (see MANIFEST).
 - round_steps (v5): inner steps the sender took since its θ_global last changed (its place in the
   current round); a peer that just re-synced trains only the rest of the round, so it reaches the
   next matchmaking with the others instead of one re-sync's duration late.
@@ -93,9 +98,10 @@ on data checked later (the round ticket, the state download's hash), never on th
 
 ROUND_TICKET = Schema(
     name="dilocod.ticket",
-    version=3,
+    version=4,
     # v3 weights each contribution by its tokens: a v2 ticket has none, and weighing it 1 would misread it.
-    min_version=3,
+    # v4 names the run manifest: a v3 sender cannot say which settings its contribution was made under.
+    min_version=4,
     max_bytes=4096,
     fields=(
         Field("outer_step", "int", min=0),
@@ -108,6 +114,8 @@ ROUND_TICKET = Schema(
         Field("tokens", "int", min=0, max=2**53),
         Field("tokens_per_second", "float", min=0, max=1e12),
         Field("train_seconds", "float", min=0, max=1e9),
+        # v4: the run manifest the sender runs with; members of another manifest never count.
+        Field("manifest_hash", "hex", min=64, max=64),
     ),
 )
 """Sent by each member of a forming averaging group to all the others (all-gather) during matchmaking.
@@ -129,7 +137,11 @@ members decide the same way (who averages with whom) without another round of me
   honest claim can be (docs/trust.md: a claim is clamped to 2 × the median of the others' claims and to
   1.25 × tokens_per_second × its train_seconds, the latter at most twice the group's median).
 
-Version 3 is the oldest accepted: a v2 ticket carries no tokens and is refused (its sender gets weight 0,
+- manifest_hash (v4): sha256 of the sender's run manifest (MANIFEST). Only members that share the
+  group's majority manifest, step and θ hash are weighed; matchmaking keys carry the hash too, so peers
+  of different manifests do not even meet (`peers/grouping.py`).
+
+Version 4 is the oldest accepted: a v3 ticket names no manifest and is refused (its sender gets weight 0,
 and its group key differs anyway, see `peers/averager.py`).
 """
 
@@ -157,6 +169,41 @@ The receiver uses it to know what it is about to get and to check it once the te
 """
 
 
+MANIFEST = Schema(
+    name="dilocod.manifest",
+    version=1,
+    max_bytes=16384,
+    fields=(
+        Field("run_id", "str", min=1, max=64),
+        Field("serial", "int", min=1, max=2**31),
+        Field("settings", "str", min=2, max=12000),
+        Field("key_required", "bool"),
+        Field("issued", "float", min=0),
+        Field("signer", "str", min=1, max=128),
+        Field("public_key", "bytes", min=1, max=2048),
+        Field("signature", "bytes", min=1, max=1024),
+    ),
+)
+"""The run's manifest: the settings every participant shares, signed by the node that issued it (the run's
+bootstrap, or the first peer of a run started without one). Served by every full node over p2p
+(`peers/runinfo.py`), at a bootstrap's `GET /api/run/manifest`, and stored in the DHT under
+`<run>.manifest` (subkey: the publishing node).
+
+- run_id: the run these settings belong to; a node adopting the manifest takes its run id from here.
+- serial: the manifest's revision (1 for a run's first). A run changes its settings as a new run id.
+- settings: canonical JSON (sorted keys, no spaces) of {section: {key: value}} for every run-wide
+  config key (`dilocod/manifest/keys.py`).
+- key_required: whether the run needs a run key (`run.key`); the key itself is never in the manifest.
+- issued: the issuer's unix time when it was made.
+- signer: base58 peer id of the issuer; public_key (DER, RSA) must hash to it.
+- signature: RSA PKCS#1 v1.5 / SHA-256 by the signer over every other field (`dilocod/manifest/record.py`).
+
+manifest_hash = sha256 over the canonical JSON of (run_id, serial, settings, key_required): the content,
+not who signed it or when, so a bootstrap restarted without its identity that issues the same settings
+leaves the run's hash unchanged.
+"""
+
+
 def encode_status(record: Mapping[str, Any]) -> bytes:
     return encode(STATUS, record)
 
@@ -179,3 +226,11 @@ def encode_state_meta(record: Mapping[str, Any]) -> bytes:
 
 def decode_state_meta(data: bytes) -> dict[str, Any]:
     return decode(STATE_META, data)
+
+
+def encode_manifest(record: Mapping[str, Any]) -> bytes:
+    return encode(MANIFEST, record)
+
+
+def decode_manifest(data: bytes) -> dict[str, Any]:
+    return decode(MANIFEST, data)

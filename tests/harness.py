@@ -225,20 +225,28 @@ class Swarm:
         return self.maddr
 
     def add_peer(
-        self, *extra: str, start: bool = True, identity: Path | None = None, where: str | None = None
+        self,
+        *extra: str,
+        start: bool = True,
+        identity: Path | None = None,
+        where: str | None = None,
+        bare: bool = False,
     ) -> Proc:
-        """A `dilocod join` peer; `identity` (a key file) pins its peer ID, so its data shard too."""
+        """A `dilocod join` peer; `identity` (a key file) pins its peer ID, so its data shard too. A `bare`
+        peer is given no config and none of the swarm's overrides (only `extra`): it takes the run's
+        manifest from the bootstrap, as `dilocod join <maddr>` does."""
         index = len(self.peers)
         run_dir = self.root / f"peer-{index}"
         if identity is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(identity, run_dir / "identity.key")
         port = free_port()
-        sets = [item for o in (*self.overrides, *extra) for item in ("--set", o)]
+        sets = [item for o in ((*self.overrides, *extra) if not bare else extra) for item in ("--set", o)]
+        config = [] if bare else ["--config", str(REPO / "configs" / "tiny.toml")]
         initial = [self.maddr] if self.maddr else []
         peer = self._proc(
             f"peer-{index}",
-            ["join", *initial, "--config", str(REPO / "configs" / "tiny.toml"), "--run-dir", str(run_dir),
+            ["join", *initial, *config, "--run-dir", str(run_dir),
              "--host", self._listen_host(where), "--http-port", str(port), *sets],
             run_dir / "console.log",
             port,

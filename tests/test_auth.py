@@ -220,6 +220,7 @@ def _ticket(step: int) -> bytes:
             "tokens": 1000,
             "tokens_per_second": 100.0,
             "train_seconds": 10.0,
+            "manifest_hash": "ab" * 32,
         }
     )
 

@@ -34,6 +34,7 @@ def tokens(role: str) -> dict[str, object]:
         "tokens": 1000 if trainer else 0,
         "tokens_per_second": 100.0 if trainer else 0.0,
         "train_seconds": 10.0 if trainer else 0.0,
+        "manifest_hash": "ab" * 32,
     }
 
 

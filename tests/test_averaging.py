@@ -24,7 +24,7 @@ def ticket(
 ) -> dict[str, object]:
     return {
         "outer_step": step, "global_sha256": sha, "num_params": num, "role": role,
-        "tokens": tokens, "tokens_per_second": tps, "train_seconds": 10.0,
+        "tokens": tokens, "tokens_per_second": tps, "train_seconds": 10.0, "manifest_hash": "ab" * 32,
     }  # fmt: skip
 
 

@@ -43,6 +43,7 @@ def ticket(step: int) -> bytes:
             "tokens": 1000,
             "tokens_per_second": 100.0,
             "train_seconds": 10.0,
+            "manifest_hash": "ab" * 32,
         }
     )
 

@@ -97,9 +97,9 @@ def test_garbage_checkpoint_is_left_untouched_and_nothing_started(
 ) -> None:
     run_dir, _ = garbage_checkpoint_run
     assert (run_dir / FILENAME).read_bytes() == GARBAGE
-    # the identity is created when the trainer is built, before the DHT: neither happened
-    assert not (run_dir / "identity.key").exists()
-    assert {p.name for p in run_dir.iterdir()} <= {FILENAME, "dilocod.log"}
+    # A peer given no peers starts a run: its manifest is signed with its identity before the trainer is
+    # built (where the checkpoint is read); nothing else was written, and the DHT never started.
+    assert {p.name for p in run_dir.iterdir()} <= {FILENAME, "dilocod.log", "identity.key", "manifest.bin"}
 
 
 def test_garbage_checkpoint_error_is_the_only_stderr_line(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import proto
 from proto import (
+    MANIFEST,
     ROUND_TICKET,
     STATE_META,
     STATUS,
@@ -31,7 +32,7 @@ from proto import (
 )
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SCHEMAS = [STATUS, ROUND_TICKET, STATE_META]
+SCHEMAS = [STATUS, ROUND_TICKET, STATE_META, MANIFEST]
 INT64_MAX = 2**63 - 1
 
 # ---------------------------------------------------------------- strategies for valid records
@@ -80,6 +81,7 @@ status_records = st.fixed_dictionaries(
         "contributing": st.none() | st.booleans(),
         "settings_hash": st.none() | st.text(alphabet="0123456789abcdef", min_size=16, max_size=16),
         "training": st.none() | st.booleans(),
+        "manifest_hash": st.none() | sha256,
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -93,6 +95,7 @@ ticket_records = st.fixed_dictionaries(
         "tokens": st.integers(0, 2**53),
         "tokens_per_second": st.floats(0, 1e12),
         "train_seconds": st.floats(0, 1e9),
+        "manifest_hash": sha256,
     }
 )
 state_meta_records = st.fixed_dictionaries(
@@ -104,7 +107,20 @@ state_meta_records = st.fixed_dictionaries(
         "time": nonneg,
     }
 )
+manifest_records = st.fixed_dictionaries(
+    {
+        "run_id": st.text(alphabet=string.ascii_letters, min_size=1, max_size=64),
+        "serial": st.integers(1, 2**31),
+        "settings": st.just('{"model":{"preset":"tiny"}}'),
+        "key_required": st.booleans(),
+        "issued": nonneg,
+        "signer": st.text(alphabet=string.ascii_letters, min_size=1, max_size=128),
+        "public_key": st.binary(min_size=1, max_size=2048),
+        "signature": st.binary(min_size=1, max_size=1024),
+    }
+)
 RECORDS = {
+    MANIFEST.name: manifest_records,
     STATUS.name: status_records,
     ROUND_TICKET.name: ticket_records,
     STATE_META.name: state_meta_records,
@@ -126,6 +142,11 @@ def assert_same_record(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def example(schema: Schema) -> dict[str, Any]:
     sha = "ab" * 32
+    if schema is MANIFEST:
+        return {
+            "run_id": "run-1", "serial": 1, "settings": '{"model":{"preset":"tiny"}}', "key_required": False,
+            "issued": 1.0, "signer": "QmSigner", "public_key": b"k" * 294, "signature": b"s" * 256,
+        }  # fmt: skip
     if schema is STATUS:
         return {
             "peer_id": "12D3KooWExample",
@@ -162,11 +183,12 @@ def example(schema: Schema) -> dict[str, Any]:
             "contributing": True,
             "settings_hash": "0123456789abcdef",
             "training": True,
+            "manifest_hash": "cd" * 32,
         }
     if schema is ROUND_TICKET:
         return {
             "outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": [],
-            "tokens": 163840, "tokens_per_second": 16384.0, "train_seconds": 10.0,
+            "tokens": 163840, "tokens_per_second": 16384.0, "train_seconds": 10.0, "manifest_hash": sha,
         }  # fmt: skip
     return {"outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0}
 
@@ -536,9 +558,10 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 6, 4096)
-    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 3, 4096)
-    assert ROUND_TICKET.min_version == 3 and STATUS.min_version == 1
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 7, 4096)
+    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 4, 4096)
+    assert ROUND_TICKET.min_version == 4 and STATUS.min_version == 1
+    assert (MANIFEST.name, MANIFEST.version, MANIFEST.max_bytes) == ("dilocod.manifest", 1, 16384)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
 
 
@@ -553,7 +576,9 @@ def test_older_version_accepted_when_schema_grows() -> None:
 
 V6 = ("round", "round_tokens", "round_opened", "reference_tokens", "tokens_trained", "tokens_contributed",
       "contributing", "settings_hash", "training")  # fmt: skip
-V5_ON = ("round_steps", *V6)
+V7 = ("manifest_hash",)
+V6_ON = (*V6, *V7)
+V5_ON = ("round_steps", *V6_ON)
 
 
 def test_status_v2_records_still_decode() -> None:
@@ -587,11 +612,32 @@ def test_status_v4_records_still_decode() -> None:
 
 def test_status_v5_records_still_decode() -> None:
     """v6 added the round clock's fields (optional): a v5 sender's record reads back without them."""
-    record = {k: v for k, v in example(STATUS).items() if k not in V6}
+    record = {k: v for k, v in example(STATUS).items() if k not in V6_ON}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=5))
-    assert all(decoded[k] is None for k in V6) and decoded["round_steps"] == record["round_steps"]
+    assert all(decoded[k] is None for k in V6_ON) and decoded["round_steps"] == record["round_steps"]
     with pytest.raises(ProtoError, match="settings_hash"):
         decode(STATUS, raw_pack(STATUS, {**example(STATUS), "settings_hash": "abc"}))
+
+
+def test_status_v6_records_still_decode() -> None:
+    """v7 added manifest_hash (optional): a v6 sender's record reads back with it as None."""
+    record = {k: v for k, v in example(STATUS).items() if k not in V7}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=6))
+    assert decoded["manifest_hash"] is None and decoded["settings_hash"] == record["settings_hash"]
+    with pytest.raises(ProtoError, match="manifest_hash"):
+        decode(STATUS, raw_pack(STATUS, {**example(STATUS), "manifest_hash": "ab" * 16}))
+
+
+def test_tickets_without_a_manifest_are_refused_by_name() -> None:
+    """A v3 ticket names no manifest: its sender cannot say which settings it trained under."""
+    old = {k: v for k, v in example(ROUND_TICKET).items() if k != "manifest_hash"}
+    with pytest.raises(
+        ProtoError,
+        match="version 3 is no longer accepted .oldest accepted is 4.: the sender runs an older dilocod",
+    ):
+        decode_ticket(raw_pack(ROUND_TICKET, old, version=3))
+    with pytest.raises(ProtoError, match="manifest_hash"):
+        decode_ticket(raw_pack(ROUND_TICKET, old))
 
 
 def test_tickets_older_than_v3_are_refused_by_name() -> None:
@@ -603,7 +649,7 @@ def test_tickets_older_than_v3_are_refused_by_name() -> None:
     }
     with pytest.raises(
         ProtoError,
-        match="version 2 is no longer accepted .oldest accepted is 3.: the sender runs an older dilocod",
+        match="version 2 is no longer accepted .oldest accepted is 4.: the sender runs an older dilocod",
     ):
         decode_ticket(raw_pack(ROUND_TICKET, old, version=2))
     with pytest.raises(ProtoError, match="tokens"):

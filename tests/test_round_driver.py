@@ -101,6 +101,9 @@ class FakeView:
     async def helpers(self) -> list[dict[str, Any]]:
         return []
 
+    async def manifest_differences(self, manifest_hash: str) -> tuple[str, ...]:
+        return ()
+
 
 class FakePublisher:
     def __init__(self) -> None:

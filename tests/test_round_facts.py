@@ -48,14 +48,14 @@ def test_late_by_measures_how_long_ago_the_run_opened_a_round_after_ours() -> No
 
 def test_other_settings_only_when_nobody_shares_ours() -> None:
     assert (
-        other_settings([rec("a", 1, settings_hash="1" * 16), rec("b", 1, settings_hash="1" * 16)], "2" * 16)
-        == "1" * 16
+        other_settings([rec("a", 1, manifest_hash="1" * 64), rec("b", 1, manifest_hash="1" * 64)], "2" * 64)
+        == "1" * 64
     )
     assert (
-        other_settings([rec("a", 1, settings_hash="1" * 16), rec("b", 1, settings_hash="2" * 16)], "2" * 16)
+        other_settings([rec("a", 1, manifest_hash="1" * 64), rec("b", 1, manifest_hash="2" * 64)], "2" * 64)
         is None
     )
-    assert other_settings([rec("a", 1)], "2" * 16) is None  # older peers do not say
+    assert other_settings([rec("a", 1)], "2" * 64) is None  # older peers do not say
 
 
 def test_run_facts_ignore_helpers_and_ourselves() -> None:

@@ -67,6 +67,19 @@ def test_render_lists_every_peer_with_its_numbers() -> None:
     assert [line[end] for line in lines[3:6]] == ["4", "3", "4"]
 
 
+def test_render_flags_a_peer_of_another_manifest() -> None:
+    records = [
+        record("12D3KooWAAAAAAAAAAAAAAAAAAAApeerone1"),
+        record("12D3KooWDDpeerodd4", other_manifest=True),
+    ]
+    lines = render(
+        {"role": "bootstrap", "peer_id": "boot", "run_id": "r1"}, records, "http://x:1"
+    ).splitlines()
+    rows = {line.split()[0]: line for line in lines[3:5]}
+    assert "≠manifest" in rows["…DDpeerodd4"] and "≠manifest" not in rows["…AApeerone1"]
+    assert lines[-1].startswith("≠manifest: runs another run manifest than the node that answered")
+
+
 def test_render_without_peers() -> None:
     text = render({"role": "bootstrap", "peer_id": "boot", "run_id": "r1"}, [], "http://x:1")
     assert "0 peers" in text and "(no live peer records yet)" in text

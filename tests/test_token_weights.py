@@ -57,6 +57,7 @@ def ticket(step: int, sha: str, tokens: int, bans: list[str] | None = None) -> d
     return {
         "outer_step": step, "global_sha256": sha, "num_params": 10, "role": "peer", "bans": bans or [],
         "tokens": tokens, "tokens_per_second": 100.0, "train_seconds": tokens / 100.0,
+        "manifest_hash": "ab" * 32,
     }  # fmt: skip
 
 

@@ -4,6 +4,7 @@
 - `/metrics`: Prometheus metrics of this node;
 - `/api/status`: this node (a peer's includes its recent rounds);
 - `/api/run`: every live peer's latest status record, from this node's view of the DHT;
+- `/api/run/manifest`: the run manifest this node runs with (`dilocod/manifest/`), with its hash;
 - `/api/history`: what this node has seen of the run over time (`dilocod.observability.history`).
 """
 
@@ -47,9 +48,14 @@ def json_response(payload: Any) -> web.Response:
 
 class HttpServer:
     def __init__(
-        self, metrics: Metrics, status: StatusFn, run: RunFn, history: RunHistory | None = None
+        self,
+        metrics: Metrics,
+        status: StatusFn,
+        run: RunFn,
+        history: RunHistory | None = None,
+        manifest: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
-        self._metrics, self._status, self._run = metrics, status, run
+        self._metrics, self._status, self._run, self._manifest = metrics, status, run, manifest
         self._history = history if history is not None else RunHistory()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -61,6 +67,7 @@ class HttpServer:
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/api/status", self._status_handler)
         app.router.add_get("/api/run", self._run_handler)
+        app.router.add_get("/api/run/manifest", self._manifest_handler)
         app.router.add_get("/api/history", self._history_handler)
         return app
 
@@ -98,6 +105,12 @@ class HttpServer:
 
     async def _run_handler(self, _request: web.Request) -> web.Response:
         return json_response(await self._run())
+
+    async def _manifest_handler(self, _request: web.Request) -> web.Response:
+        manifest = self._manifest() if self._manifest is not None else None
+        if manifest is None:
+            raise web.HTTPNotFound(text="this node has no run manifest")
+        return json_response(manifest)
 
     async def _history_handler(self, _request: web.Request) -> web.Response:
         return json_response(self._history.snapshot())

@@ -49,7 +49,7 @@ class PeerState:
     tokens_contributed: float = 0.0  # of those, reached θ_global
     contributing: bool = True
     not_contributing_reason: str | None = None
-    settings_hash: str | None = None
+    manifest_hash: str | None = None
     loss: float = math.nan
     eval_loss: float | None = None
     tokens_per_second: float = 0.0
@@ -122,7 +122,7 @@ class PeerState:
             "contribution_share": self.contribution_share,
             "contributing": self.contributing,
             "not_contributing_reason": self.not_contributing_reason,
-            "settings_hash": self.settings_hash,
+            "manifest_hash": self.manifest_hash,
             "loss": self.loss,
             "eval_loss": self.eval_loss,
             "tokens_per_second": self.tokens_per_second,
@@ -182,7 +182,7 @@ class PeerState:
             "tokens_trained": self.tokens_trained,
             "tokens_contributed": int(self.tokens_contributed),
             "contributing": self.contributing,
-            "settings_hash": self.settings_hash,
+            "manifest_hash": self.manifest_hash,
             "training": self.stretch_since is not None,
         }
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
+from dilocod.manifest.book import ManifestBook
 from dilocod.observability.history import RunHistory
 from dilocod.observability.metrics import Metrics
 from peers.node import Node
@@ -47,6 +48,12 @@ async def read_run(
 HELPERS_KEY = "helpers"
 
 
+def flag_manifests(records: list[dict[str, Any]], ours: str | None) -> list[dict[str, Any]]:
+    """Each record with `other_manifest`: true when its node runs another manifest than `ours` (it can
+    never average with us; a record without a hash is from a dilocod too old to say)."""
+    return [{**r, "other_manifest": ours is not None and r.get("manifest_hash") != ours} for r in records]
+
+
 class NodeRunView:
     """The round driver's `RunView` port: the run's records through our DHT node.
 
@@ -64,8 +71,10 @@ class NodeRunView:
         metrics: Metrics | None = None,
         max_age: float = 0.1,
         excluded: Callable[[], Collection[str]] = tuple,
+        manifests: ManifestBook | None = None,
     ) -> None:
         self.node, self.metrics, self.max_age, self.excluded = node, metrics, max_age, excluded
+        self.manifests = manifests
         self._cache: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -74,6 +83,9 @@ class NodeRunView:
 
     async def helpers(self) -> list[dict[str, Any]]:
         return self._without_excluded(await self._read(HELPERS_KEY))
+
+    async def manifest_differences(self, manifest_hash: str) -> tuple[str, ...]:
+        return () if self.manifests is None else await self.manifests.differences(manifest_hash)
 
     def _without_excluded(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         excluded = set(self.excluded())

@@ -132,7 +132,7 @@ def render(
         last = _num(r.get("last_round_seconds"))
         rows.append(
             (
-                name, str(r.get("role") or "?"), reach, _i(r.get("outer_step")), _i(r.get("inner_step")),
+                name, str(r.get("role") or "?") + (" ≠manifest" if r.get("other_manifest") else ""), reach, _i(r.get("outer_step")), _i(r.get("inner_step")),
                 _f(r.get("loss")), _f(r.get("eval_loss")), _i(r.get("tokens_per_second")), _share(r), group,
                 "–" if last is None else f"{last:.1f}s", f"{_i(r.get('rounds_ok'))}/{_i(r.get('rounds_failed'))}",
                 str(r.get("global_sha256") or "")[:12],
@@ -150,6 +150,10 @@ def render(
         lines.append("(no live peer records yet)")
     elif own and any(r.get("peer_id") == own for r in records):
         lines.append("* the node that answered")
+    if any(r.get("other_manifest") for r in records):
+        lines.append(
+            "≠manifest: runs another run manifest than the node that answered; it never averages with the run"
+        )
     if status.get("not_contributing_reason"):
         lines.append(f"the node that answered is not contributing: {status['not_contributing_reason']}")
     return "\n".join(lines)

@@ -14,10 +14,12 @@ from typing import Any
 
 from dilocod import __version__
 from dilocod.config import Config
+from dilocod.manifest.book import ManifestBook
+from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.runview import read_run
+from dilocod.observability.runview import flag_manifests, read_run
 from dilocod.processes.helper import AuxReducer
 from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from peers.errors import PeersError
@@ -42,6 +44,8 @@ class BootstrapArgs:
     announce: tuple[str, ...] = ()
     initial_peers: tuple[str, ...] = ()
     config: Config | None = None  # the run's config: model shapes and deadlines for the aux reducer
+    manifest: Manifest | None = None  # the run's manifest, served to nodes that join (None: tests only)
+    run_dir: Path | None = None  # the run's home: identity, manifest, log (dilocod/manifest/obtain.py)
     reduce: bool = True  # join every round as an auxiliary reducer (peers behind NAT need one)
     relay: bool = False  # run a circuit relay that carries pseudo-gradients between NATed peers
     relay_port: int = 0  # first of the relay's ports (0: bootstrap port + 1, or free ports)
@@ -60,6 +64,7 @@ class BootstrapDaemon:
         self.relays: list[str] = []
         self.started = time.time()
         self._peers: list[dict[str, Any]] = []
+        self.manifests: ManifestBook | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -85,8 +90,11 @@ class BootstrapDaemon:
             # After the aux reducer's fork: peers ask us whether they are reachable (a dial-back), and
             # learn the relays there.
             await self.node.serve_dialback(self.relays)
+            tasks += await self._serve_manifest()
             if self.args.http_port is not None:
-                self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
+                self.http = HttpServer(
+                    self.metrics, self.status, self.run_view, self.history, manifest=self._manifest_json
+                )
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
             self._announce()
@@ -111,10 +119,22 @@ class BootstrapDaemon:
                 await loop.run_in_executor(None, self.node.stop)
         return 0
 
+    async def _serve_manifest(self) -> list[asyncio.Task[None]]:
+        """Serve the run's manifest over p2p and keep it in the DHT: joining nodes take it from us."""
+        if self.args.manifest is None or self.node is None:
+            return []
+        self.manifests = ManifestBook(self.node, self.args.manifest)
+        await self.node.serve_manifest(self.manifests.blob)
+        return [asyncio.create_task(self.manifests.keep_published(self.stopping))]
+
+    def _manifest_json(self) -> dict[str, Any] | None:
+        return None if self.args.manifest is None else self.args.manifest.to_json()
+
     def _start_reducing(self) -> list[asyncio.Task[None]]:
         if not self.args.reduce or self.node is None:
             return []
-        self.aux = AuxReducer(self.node, self.args.config or Config())
+        manifest_hash = self.args.manifest.hash if self.args.manifest is not None else "0" * 64
+        self.aux = AuxReducer(self.node, self.args.config or Config(), manifest_hash)
         # hivemind forks the averager from this (main) thread and resets SIGINT there: ours go back on.
         self.aux.start()
         install_stop_signals(self.stopping)
@@ -174,7 +194,8 @@ class BootstrapDaemon:
     async def run_view(self) -> list[dict[str, Any]]:
         if self.node is None or self.node.dht is None:
             return []
-        return await read_run(self.node, self.metrics, self.history)
+        records = await read_run(self.node, self.metrics, self.history)
+        return flag_manifests(records, self.args.manifest.hash if self.args.manifest else None)
 
     def status(self) -> dict[str, Any]:
         node = self.node
@@ -183,6 +204,7 @@ class BootstrapDaemon:
             "peer_id": node.peer_id if live and node else None,
             "run_id": self.args.run_id,
             "role": "bootstrap",
+            "manifest_hash": self.args.manifest.hash if self.args.manifest else None,
             "maddrs": first_public_maddrs(node.visible_maddrs()) if live and node else [],
             "relays": list(self.relays),
             "peers_known": len(self._peers),

@@ -12,9 +12,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dilocod.manifest.keys import is_run_wide
 
 DEMO_RUN_ID = "dilocod"
 STARTUP_TIMEOUT = 120.0
@@ -29,6 +32,16 @@ class DemoArgs:
     http_port: int
     run_dir: Path
     rounds: int = 0
+
+
+def local_overrides(overrides: Sequence[str]) -> list[str]:
+    """The `--set` items that are a machine's own (the run-wide ones are in the bootstrap's manifest)."""
+    local = []
+    for item in overrides:
+        section, _, key = item.partition("=")[0].strip().partition(".")
+        if not is_run_wide(section, key):
+            local.append(item)
+    return local
 
 
 def free_port() -> int:
@@ -112,12 +125,14 @@ class Swarm:
         for i in range(self.args.peers):
             port = free_port()
             self.peer_ports.append(port)
-            overrides = [f"run.id={DEMO_RUN_ID}", f"trainer.threads={threads}", *self.args.overrides]
+            # As a user joins: the bootstrap's address and this machine's own keys; the run's settings come
+            # from the bootstrap's manifest (the demo's --config and run-wide --set went to the bootstrap).
+            overrides = [f"trainer.threads={threads}", *local_overrides(self.args.overrides)]
             sets = [item for o in overrides for item in ("--set", o)]
             run_dir = self.args.run_dir / f"peer-{i}"
             self.procs.append(
                 _spawn(
-                    ["join", bootstrap, "--config", str(self.args.config), "--run-dir", str(run_dir),
+                    ["join", bootstrap, "--run-dir", str(run_dir),
                      "--host", "127.0.0.1", "--http-port", str(port), *sets],
                     run_dir / "console.log",
                 )

@@ -8,8 +8,11 @@ from dilocod.config import Config
 from peers.group import AveragingOptions
 
 
-def averaging_options(cfg: Config, mode: str, *, corrupt_reductions: bool = False) -> AveragingOptions:
-    """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`."""
+def averaging_options(
+    cfg: Config, mode: str, *, run_tag: str | None = None, corrupt_reductions: bool = False
+) -> AveragingOptions:
+    """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
+    `run_tag` is the run manifest's hash (only nodes of the same manifest meet)."""
     avg = cfg.averaging
     aux = mode == "aux"
     return AveragingOptions(
@@ -38,4 +41,5 @@ def averaging_options(cfg: Config, mode: str, *, corrupt_reductions: bool = Fals
         # The run's codec: every reducer decodes, reduces and re-encodes alike.
         codec=avg.wire_codec(),
         corrupt_reductions=corrupt_reductions,
+        run_tag=run_tag,
     )

@@ -43,12 +43,13 @@ def parameter_shapes(preset: str) -> list[torch.Size]:
 
 
 class AuxReducer:
-    def __init__(self, node: Node, cfg: Config) -> None:
-        self.node, self.cfg = node, cfg
+    def __init__(self, node: Node, cfg: Config, manifest_hash: str) -> None:
+        self.node, self.cfg, self.manifest_hash = node, cfg, manifest_hash
         shapes = parameter_shapes(cfg.model.preset)
         self.num_elements = sum(s.numel() for s in shapes)
         self.template = [torch.zeros(s) for s in shapes]
-        options = averaging_options(cfg, "aux")  # as the peers', but taking no trainer's seat
+        # As the peers', but taking no trainer's seat; only the run's manifest's trainers meet us.
+        options = averaging_options(cfg, "aux", run_tag=manifest_hash)
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         # Streaming DiLoCo: each round averages one fragment, split exactly as the peers split it.
         self.fragments = (
@@ -101,7 +102,10 @@ class AuxReducer:
     async def _round_or_wait(self) -> float:
         """Join the run's round if it is closing now; else how long to wait before looking again."""
         now = time.time()
-        records = await self.view.records()
+        # Trainers of another manifest never meet us: their rounds are not ours to follow.
+        records = [
+            r for r in await self.view.records() if r.get("manifest_hash") in (None, self.manifest_hash)
+        ]
         due = next_round(records, self.clock, now)
         if due is None:
             log.debug("no live trainer in %d records (%.2fs to read)", len(records), time.time() - now)
@@ -139,7 +143,7 @@ class AuxReducer:
         return encode_ticket(
             {
                 "outer_step": step, "global_sha256": "0" * 64, "num_params": self.num_elements, "role": "helper",
-                "tokens": 0, "tokens_per_second": 0.0, "train_seconds": 0.0,
+                "tokens": 0, "tokens_per_second": 0.0, "train_seconds": 0.0, "manifest_hash": self.manifest_hash,
             }
         )  # fmt: skip
 
@@ -160,6 +164,7 @@ class AuxReducer:
             "time": time.time(),
             "version": __version__,
             "maddrs": self.node.visible_maddrs()[:4],
+            "manifest_hash": self.manifest_hash,
         }
         await self.node.publish(HELPERS_KEY, encode_status(record), ttl=30.0)
 

@@ -59,6 +59,7 @@ async def start_network(
     state_provider: Callable[[], tuple[bytes, list[torch.Tensor]]],
     stopping: asyncio.Event,
     *,
+    run_tag: str | None = None,
     corrupt_reductions: bool = False,
 ) -> Network:
     loop = asyncio.get_running_loop()
@@ -93,7 +94,9 @@ async def start_network(
         node = Node(replace(node_options, client_mode=True, auto_relay=False, trusted_relays=()))
         await loop.run_in_executor(None, node.start)
     client = not (reach.public or via_relay)
-    options = averaging_options(cfg, "client" if client else "node", corrupt_reductions=corrupt_reductions)
+    options = averaging_options(
+        cfg, "client" if client else "node", run_tag=run_tag, corrupt_reductions=corrupt_reductions
+    )
     group = GroupAverager(node, template, options, state_provider)
     # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be
     # the main thread, and our own handlers go back on afterwards.

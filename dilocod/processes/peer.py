@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dilocod.config import Config, settings_hash
+from dilocod.config import Config
+from dilocod.manifest.book import ManifestBook
+from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
-from dilocod.observability.runview import NodeRunView, read_run
+from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
@@ -49,7 +51,8 @@ log = logging.getLogger("dilocod.daemon")
 class PeerArgs:
     """What the command line adds to the config: where to find the run and where to keep our files."""
 
-    config: Config
+    config: Config  # the run manifest's run-wide settings, this machine's local ones
+    manifest: Manifest
     run_dir: Path
     initial_peers: tuple[str, ...]
     http_host: str = "127.0.0.1"
@@ -60,7 +63,8 @@ class PeerDaemon:
     def __init__(self, args: PeerArgs) -> None:
         self.args, self.cfg = args, args.config
         self.metrics = Metrics()
-        self.state = PeerState(run_id=self.cfg.run.id, settings_hash=settings_hash(self.cfg))
+        self.state = PeerState(run_id=self.cfg.run.id, manifest_hash=args.manifest.hash)
+        self.manifests: ManifestBook | None = None
         # Read at every scrape, so it keeps moving while the peer averages or re-syncs.
         self.metrics.compute_utilization.set_function(self.state.compute_utilization)
         self.stopping = asyncio.Event()
@@ -101,8 +105,11 @@ class PeerDaemon:
         self.resumed = resumed
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
-            self.stopping, corrupt_reductions=self.adversary.corrupt_reductions,
+            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
         )  # fmt: skip
+        self.manifests = ManifestBook(self.network.node, self.args.manifest)
+        if not self.network.client:  # a newcomer given our address takes the run's manifest from us
+            await self.network.node.serve_manifest(self.manifests.blob)
         # After the network: hivemind forks its children from this process, and they need no copy of the
         # local group's sockets and threads.
         await loop.run_in_executor(self.pool, self._start_local_group)
@@ -110,6 +117,8 @@ class PeerDaemon:
         self.driver = self._wire(resumed, self.network)
         await self._start_http()
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
+        assert self.manifests is not None
+        self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
         self._tasks.append(asyncio.create_task(show_progress(self.state, self.cfg.trainer.inner_steps)))
         self.state.phase = "training"
         log.info(
@@ -131,7 +140,7 @@ class PeerDaemon:
             PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, network.client and overlap == "none"),
             trainer, outer, resumed.feedback, self.adversary, cfg.averaging.wire_codec(),
         )  # fmt: skip
-        view = NodeRunView(network.node, excluded=self.bans.peer_ids)
+        view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
         self.sync = StateSync(
             cfg, outer, trainer, network.group, self.adversary,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
@@ -173,7 +182,14 @@ class PeerDaemon:
     def _other_records(self, view: NodeRunView) -> Any:
         async def others() -> list[dict[str, Any]]:
             records = await view.records()
-            return [r for r in records if r["peer_id"] != self.state.peer_id and r["role"] == "peer"]
+            # State comes only from peers of our manifest (another's θ_global is another run's model).
+            return [
+                r
+                for r in records
+                if r["peer_id"] != self.state.peer_id
+                and r["role"] == "peer"
+                and r.get("manifest_hash") == self.state.manifest_hash
+            ]
 
         return others
 
@@ -214,7 +230,9 @@ class PeerDaemon:
     async def _start_http(self) -> None:
         if self.args.http_port is None:
             return
-        self.http = HttpServer(self.metrics, self.status, self.run_view, self.history)
+        self.http = HttpServer(
+            self.metrics, self.status, self.run_view, self.history, manifest=self.args.manifest.to_json
+        )
         port = await self.http.start(self.args.http_host, self.args.http_port)
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
 
@@ -264,4 +282,5 @@ class PeerDaemon:
     async def run_view(self) -> list[dict[str, Any]]:
         if self.network is None or self.network.node.dht is None:
             return []
-        return await read_run(self.network.node, self.metrics, self.history)
+        records = await read_run(self.network.node, self.metrics, self.history)
+        return flag_manifests(records, self.args.manifest.hash)

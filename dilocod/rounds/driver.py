@@ -50,6 +50,7 @@ from proto import encode_ticket
 log = logging.getLogger("dilocod.rounds")
 
 ALONE_AFTER_TIMEOUTS = 4  # matchmaking timeouts without seeing another trainer before applying alone
+NO_MANIFEST = "0" * 64  # a ticket's manifest when the driver runs without one (unit tests of the driver)
 STOP_GRACE_SECONDS = 15.0  # a round exchanging tensors may finish serving our parts this long at a stop
 
 
@@ -201,6 +202,7 @@ class RoundDriver:
                 "tokens": tokens,
                 "tokens_per_second": tokens_per_second,
                 "train_seconds": max(0.0, seconds),
+                "manifest_hash": self.state.manifest_hash or NO_MANIFEST,
             }
         )
 

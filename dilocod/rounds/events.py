@@ -40,7 +40,8 @@ class RunFacts:
     behind_on_previous: bool = False  # every other trainer is behind us, most at our previous step and θ
     seen_recently: bool = False  # another trainer was seen lately (a DHT or link hiccup is no departure)
     late_by: float | None = None  # seconds since the run opened a round after ours (when it is ahead)
-    other_settings: str | None = None  # the settings hash every other trainer reports, when not ours
+    other_settings: str | None = None  # the manifest hash every other trainer reports, when not ours
+    other_settings_keys: tuple[str, ...] = ()  # where that manifest differs from ours (() unknown)
     reducers: int = 1  # nodes that can reduce for a private peer (public peers and helpers)
 
 

@@ -23,13 +23,21 @@ class Us:
     peer_id: str
     step: int
     sha256: str
-    settings_hash: str | None = None
+    manifest_hash: str | None = None
     previous: tuple[int, str] | None = None  # (step, θ hash) before our last outer step, if we kept it
 
 
 def trainers(records: Sequence[Mapping[str, Any]], own_id: str) -> list[Mapping[str, Any]]:
     """The other training peers' records."""
     return [r for r in records if r.get("role") == "peer" and r.get("peer_id") != own_id]
+
+
+def same_manifest(records: Sequence[Mapping[str, Any]], manifest_hash: str | None) -> list[Mapping[str, Any]]:
+    """The records of nodes that run our manifest (all when we have none; a record without a hash is from
+    a node too old to say, and its rounds could not meet ours anyway)."""
+    if not manifest_hash:
+        return list(records)
+    return [r for r in records if r.get("manifest_hash") in (None, manifest_hash)]
 
 
 def run_facts(
@@ -41,14 +49,17 @@ def run_facts(
     reducers: int = 1,
 ) -> RunFacts:
     others = trainers(records, us.peer_id)
+    # Peers of another manifest never average with us: where the run is and whether we drifted is told by
+    # ours only. They still count as live (we are not alone in the run, we are the odd one out).
+    ours = same_manifest(others, us.manifest_hash)
     return RunFacts(
         others=len(others),
-        best_step=run_step(others),
-        diverged=diverged(others, us),
-        behind_on_previous=behind_on_previous(others, us),
+        best_step=run_step(ours),
+        diverged=diverged(ours, us),
+        behind_on_previous=behind_on_previous(ours, us),
         seen_recently=seen_recently or bool(others),
-        late_by=late_by(others, us.step, now),
-        other_settings=other_settings(others, us.settings_hash),
+        late_by=late_by(ours, us.step, now),
+        other_settings=other_settings(others, us.manifest_hash),
         reducers=reducers,
     )
 
@@ -106,8 +117,8 @@ def late_by(others: Sequence[Mapping[str, Any]], step: int, now: float) -> float
 
 
 def other_settings(others: Sequence[Mapping[str, Any]], ours: str | None) -> str | None:
-    """The settings hash every other trainer that reports one holds, when none holds ours."""
-    hashes = [r.get("settings_hash") for r in others if r.get("settings_hash")]
+    """The manifest hash every other trainer that reports one holds, when none holds ours."""
+    hashes = [r.get("manifest_hash") for r in others if r.get("manifest_hash")]
     if ours is None or not hashes or ours in hashes:
         return None
     vote = plurality(hashes)

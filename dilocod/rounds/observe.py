@@ -7,6 +7,7 @@ like the end of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -44,11 +45,15 @@ class RunObserver:
         if trainers(records, self.state.peer_id):
             self.others_seen_at = time.monotonic()
         us = Us(
-            self.state.peer_id, self.outer.step, self.outer.sha256, self.state.settings_hash, self._previous()
+            self.state.peer_id, self.outer.step, self.outer.sha256, self.state.manifest_hash, self._previous()
         )
         reducers = await self._reducers(records) if self.private else 1
         seen = time.monotonic() - self.others_seen_at < self.alone_after
-        return run_facts(records, us, now=time.time(), seen_recently=seen, reducers=reducers)
+        facts = run_facts(records, us, now=time.time(), seen_recently=seen, reducers=reducers)
+        if facts.other_settings is not None:
+            keys = await self.view.manifest_differences(facts.other_settings)
+            facts = dataclasses.replace(facts, other_settings_keys=keys)
+        return facts
 
     async def _reducers(self, records: list[dict[str, object]]) -> int:
         """Nodes that can reduce for a private peer: public trainers and helpers."""

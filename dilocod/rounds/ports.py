@@ -67,6 +67,10 @@ class RunView(Protocol):
         """The live records of auxiliary reducers (the bootstrap, helpers)."""
         ...
 
+    async def manifest_differences(self, manifest_hash: str) -> tuple[str, ...]:
+        """The run-wide keys on which the run's manifest with this hash differs from ours (() unknown)."""
+        ...
+
 
 class Publisher(Protocol):
     async def publish(self) -> None:

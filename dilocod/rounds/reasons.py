@@ -13,9 +13,14 @@ from dilocod.rounds.events import Outcome, RunFacts
 
 def not_contributing_reason(outcome: Outcome, facts: RunFacts, *, private: bool) -> str:
     if facts.other_settings is not None:
+        differ = (
+            f"it differs from ours in {', '.join(facts.other_settings_keys)}"
+            if facts.other_settings_keys
+            else "compare `dilocod status` or GET /api/run/manifest on a node of the run with ours"
+        )
         return (
-            f"other settings than the run: every other peer reports settings hash {facts.other_settings} "
-            "(compare the model, data, round, outer, overlap, compression and reducer settings with theirs)"
+            f"other settings than the run: every other peer runs manifest {facts.other_settings[:12]}, not "
+            f"ours; {differ} (join with `dilocod join <maddr>` and no run-wide settings to take the run's)"
         )
     if outcome is Outcome.BANNED:
         return "banned: most of our group refuses our contributions (see the bans in its peers' logs)"

@@ -16,7 +16,7 @@ import time
 
 from dilocod.observability.peerstate import PeerState
 from dilocod.rounds import clock
-from dilocod.rounds.facts import past_round, trainers
+from dilocod.rounds.facts import past_round, same_manifest, trainers
 from dilocod.rounds.ports import RunView
 from dilocod.rounds.tokens import TokenLedger
 
@@ -65,7 +65,11 @@ class RoundTimer:
         now = time.time()
         records = await self.view.records()
         round_index = self.state.round
-        others = [p for r in trainers(records, self.state.peer_id) if (p := clock.progress_from_record(r))]
+        others = [
+            p
+            for r in trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
+            if (p := clock.progress_from_record(r))
+        ]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
         arriving = clock.in_round(others, round_index - 1, now, self.settings.stale_after)
         own = clock.Progress(
@@ -79,7 +83,9 @@ class RoundTimer:
         close = clock.estimate_close([*live, own], self.settings, now, opened, arriving)
         self.close_at = close.at
         self.state.round_closes_at = close.at
-        behind = past_round(trainers(records, self.state.peer_id), round_index, step)
+        behind = past_round(
+            trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id), round_index, step
+        )
         if behind and not self.left_behind and not self.hold:
             self.left_behind = True
             log.debug("round %d: the run is already past it; closing now", round_index)
@@ -93,7 +99,11 @@ class RoundTimer:
         """When the run opened `round_index`, as the trainers in it say (None: none says)."""
         now = time.time()
         records = await self.view.records()
-        others = [p for r in trainers(records, self.state.peer_id) if (p := clock.progress_from_record(r))]
+        others = [
+            p
+            for r in trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
+            if (p := clock.progress_from_record(r))
+        ]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
         return clock.round_opened(live, fallback=now) if live else None
 

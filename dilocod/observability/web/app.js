@@ -371,7 +371,7 @@ function renderPeerTable(records, self, now) {
     const reach = r.reachability === "private" ? "relayed" : (r.reachability || "unknown");
     return `<tr class="${classes}" data-peer="${esc(r.peer_id)}">
       <td class="mono" title="${esc(r.peer_id)}"><span class="sw" style="background:${esc(peerColour(r.peer_id))}"></span>${esc(shortId(r.peer_id))}${r.peer_id === self ? " (this node)" : ""}</td>
-      <td>${esc(r.role)}</td><td><span class="badge ${esc(reach)}">${esc(reach)}</span></td>
+      <td>${esc(r.role)}${r.other_manifest ? ` <span class="badge other-manifest" title="runs manifest ${esc(String(r.manifest_hash || "(none)").slice(0, 12))}, not this node's: it never averages with the run">other manifest</span>` : ""}</td><td><span class="badge ${esc(reach)}">${esc(reach)}</span></td>
       <td>${fmtInt(r.outer_step)}</td><td>${fmtInt(r.inner_step)}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
       <td>${fmtInt(r.tokens_per_second)}</td>
       <td>${isNum(r.compute_utilization) ? Math.round(100 * r.compute_utilization) + "%" : "–"}</td>

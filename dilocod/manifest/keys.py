@@ -1,0 +1,50 @@
+"""Every config key is either run-wide (in the run's manifest: every participant shares it) or local (this
+machine's own). `tests/test_manifest_keys.py` fails when a key is added to the config without a class.
+
+Run-wide: what changes the model, the data every peer's shard is cut from, what a round is and how its
+contributions are combined and carried; peers that differ in one of them cannot average together, or
+would train something else. Local: where this machine listens and what it computes on, how it spends its
+own memory and time (gradient accumulation keeps the run's tokens per step), how long it waits for its own
+downloads, its own trust policy, the run key (a secret: the manifest only says whether one is required),
+and the adversary modes of the test benches.
+"""
+
+from __future__ import annotations
+
+RUN_WIDE: dict[str, tuple[str, ...]] = {
+    "run": ("id", "seed"),
+    "model": ("preset",),
+    "data": ("source", "text_field", "eval_fraction", "num_shards", "max_bytes"),
+    "trainer": (
+        "inner_steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "total_steps",
+        "min_lr_ratio", "grad_clip", "optimizer", "muon_lr_ratio",
+    ),
+    "round": ("tokens", "max_seconds"),
+    "outer": ("lr", "momentum", "nesterov", "overlap", "fragments", "mix_alpha"),
+    "averaging": (
+        "group_size", "min_group_size", "min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout",
+        "request_timeout", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",
+        "screen_norm_ratio", "compression", "adaptive_deadlines", "deadline_factor", "min_allreduce_timeout",
+    ),
+}  # fmt: skip
+
+LOCAL: dict[str, tuple[str, ...]] = {
+    "run": ("key",),
+    "trainer": (
+        "eval_every", "eval_batches", "device", "threads", "devices", "compile", "activation_checkpointing",
+        "peak_flops", "micro_batch_size",
+    ),
+    "outer": ("rebase_on_resync",),
+    "averaging": ("state_timeout", "ban_seconds"),
+    "net": ("host", "port", "announce", "reachability", "status_interval", "bandwidth"),
+    "adversary": ("mode", "alie_z", "stale_rounds"),
+}  # fmt: skip
+
+
+def run_wide_keys() -> list[str]:
+    """Every run-wide key as `section.key`, in a stable order."""
+    return [f"{section}.{key}" for section, keys in RUN_WIDE.items() for key in keys]
+
+
+def is_run_wide(section: str, key: str) -> bool:
+    return key in RUN_WIDE.get(section, ())

@@ -1,0 +1,144 @@
+"""The run's manifest through the CLI: `dilocod join <maddr>` with nothing else trains in a run of
+non-default settings; a contradicting peer or bootstrap is refused naming the key; a bootstrap with
+`--run-dir` keeps its identity and manifest; a peer left with another manifest says so, naming the keys."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dilocod.config import load_config
+from dilocod.manifest.obtain import store
+from dilocod.manifest.record import issue
+from peers.auth import Identity
+from tests.harness import FAST, REPO, Swarm, get_json, round_hashes, wait_for
+
+pytestmark = pytest.mark.integration
+
+# Non-default run-wide settings (with FAST's H = 5): a newcomer with the defaults could not average.
+RUN = ("averaging.compression=int4", "averaging.reducer=trimmed_mean")
+
+
+def dilocod(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dilocod", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def manifest_of(s: Swarm) -> dict[str, object]:
+    assert s.bootstrap is not None
+    return dict(get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run/manifest"))
+
+
+def test_a_bare_join_trains_in_the_run_and_the_bootstrap_keeps_its_home(
+    swarm: Callable[..., Swarm], tmp_path: Path
+) -> None:
+    home = tmp_path / "bootstrap-home"
+    s = swarm(0, *RUN, bootstrap=False)
+    s.start_bootstrap("dilocod", "--run-dir", str(home))
+    manifest = manifest_of(s)
+    assert manifest["settings"]["averaging"]["compression"] == "int4"  # type: ignore[index]
+    configured = s.add_peer()
+    bare = s.add_peer(bare=True)  # `dilocod join <maddr>`: no config, no --set
+
+    # A newcomer whose own settings contradict the run's is told which, and stops.
+    refused = dilocod(
+        "join", s.maddr, "--run-dir", str(tmp_path / "odd"), "--set", "averaging.compression=none"
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "dilocod: error: averaging.compression: the run uses int4, you set none"
+        in refused.stderr.splitlines()
+    )
+
+    statuses = s.wait_all_at(3, timeout=240)
+    assert {st["manifest_hash"] for st in statuses} == {manifest["manifest_hash"]}
+    head = (
+        f"joined run 'dilocod' (manifest {str(manifest['manifest_hash'])[:12]}: tiny, H=5, int4, trimmed_mean"
+    )
+    assert head in bare.output()
+    for step, found in round_hashes(statuses).items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"
+    shared = [
+        e["outer_step"]
+        for e in bare.status()["rounds"]
+        if e["result"] == "ok"
+        and any(
+            o["outer_step"] == e["outer_step"] and o["result"] == "ok" for o in configured.status()["rounds"]
+        )
+    ]
+    assert shared, "the bare peer never averaged in a round with the configured one"
+    assert s.bootstrap is not None
+    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
+    assert run and not any(p["other_manifest"] for p in run)
+
+    # The bootstrap's home: restarted with it, the same peer id and manifest; a contradiction is refused.
+    before = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/status")
+    s.bootstrap.signal(signal.SIGTERM)
+    assert s.bootstrap.wait(timeout=60) == 0
+    assert {"identity.key", "manifest.bin", "bootstrap.log"} <= {p.name for p in home.iterdir()}
+    contradicting = dilocod(
+        "bootstrap", "--run-dir", str(home), "--port", "0", "--set", "trainer.inner_steps=9"
+    )
+    assert contradicting.returncode == 2
+    assert (
+        "dilocod: error: trainer.inner_steps: the run uses 5, you set 9" in contradicting.stderr.splitlines()
+    )
+    (tmp_path / "bootstrap.maddr").unlink(missing_ok=True)
+    s.bootstrap.start()
+    after = wait_for(
+        "the restarted bootstrap",
+        lambda: get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/status"),
+        60,
+    )
+    assert after["peer_id"] == before["peer_id"]
+    assert manifest_of(s)["manifest_hash"] == manifest["manifest_hash"]
+
+
+def test_a_peer_left_with_another_manifest_never_averages_and_names_the_keys(
+    swarm: Callable[..., Swarm], tmp_path: Path
+) -> None:
+    s = swarm(2, *RUN)
+    # The odd peer ran in this run before under other settings, from another bootstrap: it refuses the
+    # bootstrap's manifest (another signer, other content) and keeps its own.
+    odd_dir = tmp_path / "odd"
+    odd_dir.mkdir()
+    from hivemind.p2p import P2P
+
+    P2P.generate_identity(str(tmp_path / "other-bootstrap.key"))
+    theirs = load_config(REPO / "configs" / "tiny.toml", [*FAST, "averaging.compression=int8"])
+    store(odd_dir, issue(theirs, Identity.load(tmp_path / "other-bootstrap.key")))
+    odd = s.add_peer(bare=True, start=False)
+    odd.run_dir = odd_dir
+    odd.args[odd.args.index("--run-dir") + 1] = str(odd_dir)
+    odd.log = odd_dir / "console.log"
+    odd.start()
+
+    reason = wait_for(
+        "the odd peer to say why it does not contribute",
+        lambda: (st := odd.status()).get("not_contributing_reason") and st,
+        240,
+    )
+    assert reason["contributing"] is False
+    text = reason["not_contributing_reason"]
+    assert "other settings than the run" in text and "averaging.compression" in text, text
+    assert "refused the manifest of" in odd.output()
+    warned = [
+        line
+        for line in odd.output().splitlines()
+        if " WARN " in line and "other settings than the run" in line
+    ]
+    assert len(warned) == 1, warned
+    assert not any(e["result"] == "ok" for e in odd.status()["rounds"])
+    assert s.bootstrap is not None
+    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
+    flagged = {p["peer_id"]: p["other_manifest"] for p in run}
+    assert flagged.get(reason["peer_id"]) is True
+    assert not any(flagged[st["peer_id"]] for st in (p.status() for p in s.peers[:2]))
+    assert re.search(r"every other peer runs manifest [0-9a-f]{12}", text)
