@@ -52,8 +52,17 @@ async def serve_manifest(p2p: P2P, provider: Callable[[], bytes | None]) -> None
 
 
 async def ask_manifest(p2p: P2P, peer: Multiaddr, timeout: float) -> Fetched:
-    """One request to `peer`; raises when it does not answer or has no manifest."""
+    """One request to `peer` (dialled at that address); raises when it does not answer or has no manifest."""
     peer_id = PeerID.from_base58(str(peer.value_for_protocol("p2p")))
+    # Dialled here rather than as p2pd's bootstrap peers: p2pd refuses to start when none of those answers,
+    # and one client should outlive a bootstrap that is still starting. (`_client`: hivemind's P2P exposes
+    # no connect of its own; its daemon bindings do.)
+    try:
+        await asyncio.wait_for(
+            p2p._client.connect(peer_id, [peer.decapsulate(Multiaddr(f"/p2p/{peer_id}"))]), timeout
+        )
+    except Exception as e:
+        raise ConnectionError(f"cannot connect: {_one_line(e)}") from None
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(peer_id, MANIFEST_PROTOCOL), timeout
     )
@@ -88,7 +97,7 @@ async def fetch_manifests(
     try:
         while True:
             if p2p is None:
-                p2p = await _start_client(initial_peers, host, max(1.0, end - loop.time()), errors)
+                p2p = await _start_client(host, errors)
             if p2p is not None:
                 refused = 0
                 for text in initial_peers:
@@ -115,18 +124,15 @@ async def fetch_manifests(
     raise PeersError(f"no run manifest we can take from the peers given ({detail})")
 
 
-async def _start_client(
-    initial_peers: Sequence[str], host: str, timeout: float, errors: dict[str, str]
-) -> P2P | None:
+async def _start_client(host: str, errors: dict[str, str]) -> P2P | None:
     family = "ip6" if ":" in host else "ip4"
     try:
         return await P2P.create(
-            initial_peers=list(initial_peers),
             host_maddrs=[f"/{family}/{host}/tcp/0"],
             nat_port_map=False,
             auto_nat=False,
             use_relay=False,
-            startup_timeout=min(timeout, 15.0),
+            startup_timeout=15.0,
         )
     except Exception as e:
         errors["p2p"] = f"could not start: {_one_line(e)}"

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P, PeerID
 
 from dilocod.config import load_config
 from dilocod.manifest.obtain import store
 from dilocod.manifest.record import issue
+from dilocod.processes.demo import free_port
 from peers.auth import Identity
 from tests.harness import FAST, REPO, Swarm, get_json, round_hashes, wait_for
 
@@ -78,6 +80,26 @@ def test_a_bare_join_trains_in_the_run_and_the_bootstrap_keeps_its_home(
     run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
     assert run and not any(p["other_manifest"] for p in run)
 
+    # A second bootstrap given the first's address serves the run's manifest, not one of its defaults.
+    second_port = free_port()
+    second = s._proc(
+        "bootstrap-2",
+        ["bootstrap", s.maddr, "--host", "127.0.0.1", "--port", "0", "--http-host", "127.0.0.1",
+         "--http-port", str(second_port), "--no-reduce"],
+        tmp_path / "bootstrap-2.log", second_port, None, None,
+    )  # fmt: skip
+    s.peers.append(second)  # reaped with the swarm
+    second.start()
+    served = wait_for(
+        "the second bootstrap's manifest",
+        lambda: get_json(f"http://127.0.0.1:{second_port}/api/run/manifest"),
+        60,
+    )
+    assert served["manifest_hash"] == manifest["manifest_hash"] and served["signer"] == manifest["signer"]
+    second.signal(signal.SIGTERM)
+    assert second.wait(timeout=60) == 0
+    s.peers.remove(second)
+
     # The bootstrap's home: restarted with it, the same peer id and manifest; a contradiction is refused.
     before = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/status")
     s.bootstrap.signal(signal.SIGTERM)
@@ -109,8 +131,6 @@ def test_a_peer_left_with_another_manifest_never_averages_and_names_the_keys(
     # bootstrap's manifest (another signer, other content) and keeps its own.
     odd_dir = tmp_path / "odd"
     odd_dir.mkdir()
-    from hivemind.p2p import P2P
-
     P2P.generate_identity(str(tmp_path / "other-bootstrap.key"))
     theirs = load_config(REPO / "configs" / "tiny.toml", [*FAST, "averaging.compression=int8"])
     store(odd_dir, issue(theirs, Identity.load(tmp_path / "other-bootstrap.key")))
@@ -142,3 +162,16 @@ def test_a_peer_left_with_another_manifest_never_averages_and_names_the_keys(
     assert flagged.get(reason["peer_id"]) is True
     assert not any(flagged[st["peer_id"]] for st in (p.status() for p in s.peers[:2]))
     assert re.search(r"every other peer runs manifest [0-9a-f]{12}", text)
+
+
+def test_no_manifest_from_the_peers_given_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Nobody answers at the address given: after 30 s of retries, one line naming it, exit 2."""
+    P2P.generate_identity(str(tmp_path / "nobody.key"))
+    nobody = PeerID(Identity.load(tmp_path / "nobody.key").peer_id).to_base58()
+    maddr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{nobody}"
+    result = dilocod("join", maddr, "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dilocod: error:")]
+    assert len(errors) == 1 and "no run manifest we can take from the peers given" in errors[0], result.stderr
+    assert f"{maddr}: cannot connect" in errors[0]
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
