@@ -16,6 +16,8 @@ host. What it adds:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +39,13 @@ from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
+
+log = logging.getLogger("peers.averager")
+
+# Each of the two waits of the averager's own shutdown (`RunAverager._shutdown`) lasts at most this long.
+# The host waits 3 s for all of it (`shutdown_timeout` in peers/group.py), then terminates the process, and
+# the daemon would take that SIGTERM, echoed through the averager, for a second signal (exit at once).
+STOP_STEP_SECONDS = 1.0
 
 
 class BanAwareMatchmaking(Matchmaking):
@@ -185,6 +194,50 @@ class RunAverager(StateDonors):
         future.set_result(None)
 
     # ---- averager process ----------------------------------------------------------------------------
+    async def _shutdown(self, timeout: float | None) -> None:
+        """Stop quietly. Replaces hivemind's `DecentralizedAverager._shutdown` (hivemind 1.1.12,
+        hivemind/averaging/averager.py:354), whose failures end the averager's thread with a traceback on
+        the console of a peer that is only being stopped. Three of them:
+
+        - It first unregisters our handlers from p2pd. After a SIGTERM to the whole process group (a
+          service manager's stop, `kill -- -PGID`) p2pd is gone already: hivemind's DHT and averager
+          processes do not act on the signal (the daemon stops them in order), but p2pd, the DHT
+          process's child, exits on it and removes its control socket, so `remove_stream_handler` raised
+          FileNotFoundError (p2p_daemon_bindings/control.py:410). A daemon that is gone holds no handlers.
+        - It calls `finalize` on the values of `_running_groups`, which are futures of runners, not
+          runners: a stop during an all-reduce raised AttributeError. Here the runner is finalized.
+        - Then the averager process exits, while requests it sent the DHT process may still wait in the
+          DHT's pipe. Each carries a future whose pipe the DHT fetches from *this* process (multiprocessing's
+          resource sharer), which fails once we are gone: as EOFError, which the DHT's loop does not catch
+          (dht/dht.py:128), the DHT process died with a traceback; as another error it logged one and
+          paused. So every request from here on is withdrawn, and we exit once the DHT has read the ones
+          sent before.
+        """
+        if not self.client_mode:
+            try:
+                await asyncio.wait_for(
+                    self.remove_p2p_handlers(self._p2p, namespace=self.prefix), STOP_STEP_SECONDS
+                )
+            except Exception as e:  # p2pd is gone (or stuck): it serves no handler of ours any more
+                log.debug("left our handlers to p2pd: %r", e)
+        for future in self._running_groups.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+        await self._withdraw_dht_requests()
+
+    async def _withdraw_dht_requests(self) -> None:
+        """Send the DHT process a last request, withdraw all later ones, and wait until it answers: its
+        pipe is read in order, so by then it has taken every request we sent (see `_shutdown`)."""
+        dht = self.dht
+        last = dht.run_coroutine(_answer_nothing, return_future=True)
+        dht._outer_pipe = _WithdrawnRequests()  # this process's copy of the DHT handle only
+        try:
+            await asyncio.wait_for(last, STOP_STEP_SECONDS)
+        except Exception as e:  # a DHT process that is gone or stuck reads nothing more of ours either
+            log.debug("the DHT did not answer our last request: %r", e)
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.monotonic()
         try:
@@ -286,3 +339,19 @@ def _gathers_aux(blob: bytes) -> bool:
 
 async def _keep_group_key(_group_info: GroupInfo) -> None:
     return None
+
+
+async def _answer_nothing(_dht: Any, _node: Any) -> None:
+    """The averager's last DHT request (run in the DHT process): its answer says the DHT read all before it."""
+    return None
+
+
+class _WithdrawnRequests:
+    """Where a stopping averager's DHT handle sends requests instead of the DHT's pipe: each request's future
+    is cancelled (whoever waits on it stops waiting) and nothing leaves the process."""
+
+    def send(self, message: Any) -> None:
+        _method, _args, kwargs = message
+        future = kwargs.get("future")
+        if isinstance(future, MPFuture):
+            future.cancel()

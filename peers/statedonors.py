@@ -50,6 +50,7 @@ class StateDonors(DecentralizedAverager):
         self._auth = auth
         self._key_holders: set[PeerID] = set()  # peers that proved the run key (rpc_present_run_key)
         self._state_provider = state_provider
+        self._downloads: set[asyncio.Task[Any]] = set()  # running downloads (see `_download_state`)
         super().__init__(*args, **kwargs)
 
     # ---- host side ----------------------------------------------------------------------------------
@@ -100,6 +101,15 @@ class StateDonors(DecentralizedAverager):
     async def _download_state(
         self, future: MPFuture, exclude: list[str], min_step: int, max_elements: int, timeout: float
     ) -> None:
+        # hivemind's control loop starts this as a task it keeps no reference to, and the DHT's answer it
+        # awaits (an MPFuture) is held weakly: the garbage collector could close it mid-download. Its
+        # `finally` then ran inside whatever code the collection interrupted, and when that code was
+        # sending another MPFuture's result (as hivemind's `_step` does at once), the second send waited
+        # for the cross-process lock the first one held: the averager process hung for good.
+        task = asyncio.current_task()
+        if task is not None:
+            self._downloads.add(task)
+            task.add_done_callback(self._downloads.discard)
         try:
             donors = await self._donors(set(exclude), min_step)
             for donor, priority in donors:

@@ -72,6 +72,13 @@ def test_demo_trains_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert _alive_in_groups(groups) == [], "processes (p2pd, DHT, peers) outlived the demo"
         for peer in ("peer-0", "peer-1"):
             assert (run_dir / peer / "checkpoint.pt").exists()
+        # A clean stop reads as one: no traceback from the demo or any of its processes.
+        for log in (
+            out,
+            run_dir / "bootstrap.log",
+            *(run_dir / p / "console.log" for p in ("peer-0", "peer-1")),
+        ):
+            assert "Traceback" not in log.read_text(errors="replace"), f"{log}:\n{log.read_text()[-3000:]}"
     finally:
         if demo.poll() is None:
             demo.kill()
