@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hivemind.p2p import PeerID
+
 from dilocod.config import Config
 from dilocod.manifest.keys import RUN_WIDE
 from peers.auth import Identity, signed_by
@@ -100,8 +102,6 @@ def content_hash(run_id: str, serial: int, settings: dict[str, Any], key_require
 
 def issue(config: Config, identity: Identity, *, serial: int = 1, now: float | None = None) -> Manifest:
     """A new manifest of `config`'s run-wide settings, signed by `identity`."""
-    from hivemind.p2p import PeerID
-
     unsigned = Manifest(
         run_id=config.run.id, serial=serial, settings=settings_of(config), key_required=config.run.key is not None,
         issued=round(time.time() if now is None else now, 3), signer=PeerID(identity.peer_id).to_base58(),
