@@ -24,6 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from peers import reachability, runinfo
 from peers.auth import Identity, RunAuth, RunRecordValidator
+from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
 
 log = logging.getLogger("peers.node")
@@ -112,7 +113,7 @@ class Node:
             kwargs["force_reachability"] = opts.reachability
         if opts.trusted_relays:
             kwargs["trusted_relays"] = list(opts.trusted_relays)
-        dht = hivemind.DHT(**kwargs)
+        dht = RunDHT(**kwargs)
         self.dht = dht
         try:
             dht.wait_until_ready(timeout=opts.startup_timeout)

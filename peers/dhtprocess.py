@@ -1,0 +1,46 @@
+"""hivemind's DHT with the tasks of its process kept alive.
+
+The DHT process runs each request from the host (`get`, `store`, `run_coroutine`) as an asyncio task
+and keeps no reference to it (hivemind 1.1.12, dht/dht.py:133: `task = asyncio.create_task(...)`,
+overwritten by the next request). asyncio holds tasks only weakly, so a pending task whose awaited
+future is referenced by nothing else can be collected mid-flight ("Task was destroyed but it is
+pending!", a `GeneratorExit` in `_run_coroutine`); the host then waits on its MPFuture forever. Seen
+once in a full test run: a peer behind NAT hung at start, its averager waiting for the DHT. Each
+request's task now holds itself in a set until it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import hivemind
+
+
+class RunDHT(hivemind.DHT):
+    _running: set[asyncio.Task[Any]] = set()  # lives in the DHT process (a fork): its requests' tasks
+
+    async def _get(self, *args: Any, **kwargs: Any) -> Any:
+        with _held():
+            return await super()._get(*args, **kwargs)
+
+    async def _store(self, *args: Any, **kwargs: Any) -> Any:
+        with _held():
+            return await super()._store(*args, **kwargs)
+
+    async def _run_coroutine(self, *args: Any, **kwargs: Any) -> Any:
+        with _held():
+            return await super()._run_coroutine(*args, **kwargs)
+
+
+class _held:
+    """Keep the current task referenced while the block runs."""
+
+    def __enter__(self) -> None:
+        self.task = asyncio.current_task()
+        if self.task is not None:
+            RunDHT._running.add(self.task)
+
+    def __exit__(self, *_: object) -> None:
+        if self.task is not None:
+            RunDHT._running.discard(self.task)
