@@ -126,11 +126,19 @@ def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[
     start = max(st["outer_step"] for st in statuses) + 2
     statuses = s.wait_all_at(start + 5, timeout=300)
     assert_one_theta_per_step(statuses, after=start)
-    # Every round from then on included every peer: nobody's group won over another's.
+    # Every round from then on included every peer: nobody's group won over another's. A member whose
+    # round failed in transport (a reducer's reply stream cut short, issue 15) was in that group too: it
+    # counts as a member, at most twice in the 5 rounds (the 4-equal-peer test counts them apart likewise).
     members: dict[int, int] = defaultdict(int)
+    cut = 0
     for st in statuses:
         for step in ok_steps(st):
             members[step] += 1
+        for e in st["rounds"]:  # a failed attempt is recorded at the step it started from
+            if e["result"] == "failed" and start < e["outer_step"] + 1 <= start + 5:
+                members[e["outer_step"] + 1] += 1
+                cut += 1
+    assert cut <= 2, f"{cut} transport failures in 5 rounds"
     rounds = [step for step in members if start < step <= start + 5]
     missed = sorted(
         (e["outer_step"], st["peer_id"][-6:], e["result"], e.get("reason"))
