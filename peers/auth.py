@@ -183,6 +183,16 @@ class Identity:
         return self._key.sign(message, padding.PKCS1v15(), hashes.SHA256())
 
 
+def ensure_identity(path: str | Path) -> Identity:
+    """The identity key at `path`, made there (as p2pd makes one) if there is none yet."""
+    from hivemind.p2p import P2P
+
+    if not Path(path).exists():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(path))
+    return Identity.load(path)
+
+
 def peer_id_of(public_der: bytes) -> bytes:
     """The libp2p peer id (raw bytes) of an RSA public key, as p2pd derives it."""
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()

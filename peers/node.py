@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from peers import reachability, runinfo
-from peers.auth import Identity, RunAuth, RunRecordValidator
+from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
 
@@ -144,11 +144,8 @@ class Node:
         if path is None:  # hivemind would let p2pd make a key we could not read; make one ourselves
             self._identity_dir = tempfile.mkdtemp(prefix="dilocod-identity-")
             path = os.path.join(self._identity_dir, "identity.key")
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            P2P.generate_identity(path)
         self._identity_path = path
-        identity = Identity.load(path)
+        identity = ensure_identity(path)
         auth = self.options.auth
         if auth is not None and auth.allowed is not None and identity.peer_id not in auth.allowed:
             peer = PeerID(identity.peer_id).to_base58()

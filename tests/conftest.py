@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(
+    skip = pytest.mark.skip(  # CUDA only: CI has no GPU; root, netns and chromium tests never skip under CI=true
         reason="needs a CUDA device (torch.cuda.is_available() is false); CI has no GPU, so these run only on a GPU machine, unlike root/netns/chromium tests, which fail under CI=true"
     )
     for item in cuda_items:

@@ -88,6 +88,21 @@ def both_ranks_in_one(data: DataConfig) -> InnerTrainer:
     return ref
 
 
+def assert_ranks_follow_one_process(
+    trainer: InnerTrainer, group: LocalGroup, ref: InnerTrainer, steps: int
+) -> None:
+    """`steps` inner steps of the 2-rank node: the ranks stay identical, and the node's tokens, loss and
+    parameters are those of one process training on both ranks' data (`ref`)."""
+    for _ in range(steps):
+        stats = trainer.train_steps(1)
+        assert stats.tokens == 2 * CFG.batch_size * CFG.seq_len
+        digests = group.digests()
+        assert digests[0] == digests[1] == params_sha256(trainer), "ranks diverged after an inner step"
+        assert stats.mean_loss == pytest.approx(ref.train_steps(1).mean_loss, rel=1e-5)
+    for mine, theirs in zip(trainer.params(), ref.params(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-4)
+
+
 def test_two_ranks_stay_identical_and_train_on_both_batches(
     data: DataConfig, start_group: Callable[[InnerTrainer], LocalGroup]
 ) -> None:
@@ -96,16 +111,7 @@ def test_two_ranks_stay_identical_and_train_on_both_batches(
     assert trainer.world_size == 2 and len(group.pids) == 1
     assert trainer.tokens_per_step == 2 * CFG.batch_size * CFG.seq_len
 
-    ref = both_ranks_in_one(data)
-    for _ in range(4):
-        stats = trainer.train_steps(1)
-        assert stats.tokens == 2 * CFG.batch_size * CFG.seq_len
-        digests = group.digests()
-        assert digests[0] == digests[1] == params_sha256(trainer), "ranks diverged after an inner step"
-        expected = ref.train_steps(1)
-        assert stats.mean_loss == pytest.approx(expected.mean_loss, rel=1e-5)
-    for mine, theirs in zip(trainer.params(), ref.params(), strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-4)
+    assert_ranks_follow_one_process(trainer, group, both_ranks_in_one(data), steps=4)
 
 
 def test_micro_batches_in_a_local_group(
@@ -115,15 +121,7 @@ def test_micro_batches_in_a_local_group(
     averaged once (the last piece's backward) and the step is the whole node batch's step."""
     trainer = make_trainer(data, replace(CFG, micro_batch_size=CFG.batch_size // 2))  # the worker's too
     group = start_group(trainer)
-    ref = both_ranks_in_one(data)
-    for _ in range(3):
-        stats = trainer.train_steps(1)
-        assert stats.tokens == 2 * CFG.batch_size * CFG.seq_len
-        digests = group.digests()
-        assert digests[0] == digests[1] == params_sha256(trainer), "ranks diverged after an inner step"
-        assert stats.mean_loss == pytest.approx(ref.train_steps(1).mean_loss, rel=1e-5)
-    for mine, theirs in zip(trainer.params(), ref.params(), strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-4)
+    assert_ranks_follow_one_process(trainer, group, both_ranks_in_one(data), steps=3)
 
 
 def test_loaded_and_restored_state_reaches_every_rank(

@@ -23,7 +23,7 @@ from typing import Any
 from dilocod.config import Config, ConfigError, config_from_raw
 from dilocod.manifest.adopt import adopt, conflicts, trust_problem
 from dilocod.manifest.record import Manifest, ManifestError, decode, differing_keys, issue, summary
-from peers.auth import Identity
+from peers.auth import Identity, ensure_identity
 from peers.errors import PeersError
 from peers.node import parse_multiaddr
 from peers.runinfo import Fetched, fetch_manifests
@@ -135,16 +135,7 @@ async def manifest_for_peer(
 
 def _identity(run_dir: Path) -> Identity:
     """The node's identity key (made on first use): a run started here is signed with it."""
-    return _identity_at(run_dir / "identity.key")
-
-
-def _identity_at(path: Path) -> Identity:
-    from hivemind.p2p import P2P
-
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        P2P.generate_identity(str(path))
-    return Identity.load(path)
+    return ensure_identity(run_dir / "identity.key")
 
 
 async def manifest_for_bootstrap(
@@ -164,7 +155,7 @@ async def manifest_for_bootstrap(
         except PeersError as e:
             raise ManifestError(str(e)) from None
     else:
-        manifest = issue(config_from_raw(local_raw), _identity_at(identity_path))
+        manifest = issue(config_from_raw(local_raw), ensure_identity(identity_path))
     lines = conflicts(manifest, local_raw)
     if lines:
         where = f"the manifest in {run_dir}" if stored is not None else "the run's manifest"

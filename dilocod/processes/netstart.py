@@ -21,6 +21,7 @@ import torch
 from dilocod.config import Config
 from dilocod.processes.groupoptions import averaging_options
 from dilocod.processes.runtime import install_stop_signals
+from peers.auth import ensure_identity
 from peers.group import GroupAverager
 from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import Reachability, detect_reachability, free_tcp_port
@@ -44,10 +45,7 @@ def peer_key(run_dir: Path) -> str:
     """A stable per-identity key for data sharding, known before the DHT starts (creates the identity)."""
     identity = run_dir / "identity.key"
     if not identity.exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        from hivemind.p2p import P2P
-
-        P2P.generate_identity(str(identity))
+        ensure_identity(identity)
     return hashlib.sha256(identity.read_bytes()).hexdigest()[:32]
 
 
