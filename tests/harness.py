@@ -63,6 +63,15 @@ def round_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
     return by_step
 
 
+def round_results(statuses: list[dict[str, Any]]) -> str:
+    """Each peer's rounds as `step:result/group size`, one line per peer (for assertion messages)."""
+    return "\n".join(
+        f"{st['peer_id'][-6:]}: "
+        + " ".join(f"{e['outer_step']}:{e['result']}/{e['group_size']}" for e in st["rounds"])
+        for st in statuses
+    )
+
+
 def _latest_evaluated(status: dict[str, Any]) -> bool:
     """Whether the record of the peer's latest outer step, if it made one, holds its eval loss."""
     latest = [

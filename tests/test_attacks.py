@@ -3,10 +3,12 @@
 Each attacked run (3 honest peers + 1 attacker, from the start) is compared with clean runs of the
 same length without the attacker (the same 3 honest peers' worth of data): the honest peers' eval loss
 of θ_global, averaged over the same five outer steps (one step's small eval set is noisy). With
-`centered_clip` it stays within 10 % of the worse of two clean runs: on the run's clock clean runs of
-the same settings differ by about that much (the `cleans` fixture; before the clock, when a run was
-nearly deterministic, the bound was 5 %); with the undefended `mean` a sign-flipper wrecks the run, so the
-defense is shown to matter. A late joiner refuses a bad donor's poisoned state.
+`centered_clip` it stays within 20 % of the worse of two clean runs: on the run's clock clean runs of
+the same settings differ by up to about 10 % (the `cleans` fixture; before the clock, when a run was
+nearly deterministic, the bound was 5 %), and an attacked run also carries what its first rounds let
+through before the attacker was banned. Undefended, the loud attacks cost 12× (`scale`) to ∞
+(docs/benchmarks.md), and the undefended `mean` with a sign-flipper is checked here to be wrecked, so
+the bound still tells a defended run from a broken one. A late joiner refuses a bad donor's poisoned state.
 
 Every adversary mode runs here against the default reducer; each run costs about a minute on 2 cores.
 The loud attacks (`sign_flip`, `random_direction`, `scale`, `nan`, `bad_reducer`) must also be caught:
@@ -27,9 +29,11 @@ from tests.harness import Swarm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-# Two clean runs of the same settings measured 3.23 and 2.90 at step 8 (11 %); a bad_reducer run
-# reached 3.10 against two clean runs at 2.90 (7 %), random_direction 3.13 against 2.90 (8 %).
-NOISE = 1.10
+# Two clean runs of the same settings measured 3.23 and 2.90 at step 8 (11 %); four more, in a row on
+# 2 cores, 2.91, 2.96, 3.03 and 3.07 (and at equal tokens the spread was the same, so it is not the
+# clock's tokens per round). Attacked runs: bad_reducer 3.10 against two clean at 2.90 (7 %),
+# random_direction 3.13 against 2.90 (8 %), scale 3.34 against 2.94 (14 %, in CI).
+NOISE = 1.20
 ROUNDS = 8  # the comparison averages outer steps ≥ ROUNDS − 2 back over 5 steps (attackrun.common_step)
 
 

@@ -138,16 +138,32 @@ def survivors(swarm: NetSwarm, proc: Proc, tree: list[int], settle: float = 3.0)
 
     Its namespace holds only that daemon and what it started (p2pd, hivemind's DHT and averager
     processes), so a live pid there after `settle` seconds is an orphan, wherever it was re-parented.
+    Both sets are given the same `settle`: a child caught mid-exit (its memory already released, so an
+    empty command line) is not an orphan.
     """
     namespace = swarm.bed.ns(swarm.where(proc))
+    born = {pid: _started(pid) for pid in tree}  # a pid reused by an unrelated process is not ours
+
+    def live() -> list[int]:
+        theirs = {p for p, start in born.items() if start is not None and _started(p) == start}
+        return sorted(p for p in set(_ns_pids([namespace])) | theirs if _alive(p))
+
     deadline = time.monotonic() + settle
-    while (left := _ns_pids([namespace])) and time.monotonic() < deadline:
+    while (left := live()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return describe(sorted(set(left) | {p for p in tree if _alive(p)}))
+    return describe(left)
+
+
+def _started(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _alive(pid: int) -> bool:
-    """Running or sleeping, not a zombie waiting to be reaped."""
+    """Running or sleeping, not a zombie waiting to be reaped (a container's PID 1 may never reap it)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
