@@ -14,6 +14,7 @@ import torch
 from dilocod.statesync.checkpoint import (
     FILENAME,
     FORMAT,
+    TEMP_PREFIX,
     VERSION,
     CheckpointError,
     checkpoint_path,
@@ -93,7 +94,7 @@ def assert_same(actual: Any, expected: Any) -> None:
 
 
 def leftover_temp_files(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir() if p.name != FILENAME)
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith(TEMP_PREFIX))
 
 
 def assert_refused(run_dir: Path, match: str | None = None) -> str:

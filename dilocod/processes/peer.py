@@ -38,7 +38,7 @@ from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.statesync.catchup import StateSync
-from dilocod.statesync.checkpoint import load_checkpoint
+from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.trainer import LocalGroup
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
@@ -97,7 +97,10 @@ class PeerDaemon:
 
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
-        checkpoint = await loop.run_in_executor(None, load_checkpoint, self.args.run_dir)
+        opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
+        for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
+            log.warning("%s", note)
+        checkpoint = opened.state
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         resumed = await loop.run_in_executor(
             self.pool, lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state)

@@ -1,4 +1,12 @@
-"""Atomic checkpoints in the run directory: everything a peer needs to resume where it stopped."""
+"""Atomic checkpoints in the run directory: everything a peer needs to resume where it stopped.
+
+A write goes to a temporary file, is fsynced, and only then replaces `checkpoint.pt`; the one it replaces
+is kept as `checkpoint.prev.pt`. So a kill at any moment leaves a whole checkpoint: the new one, the old
+one, or (killed between the two renames) the old one under its `prev` name. `open_checkpoint` is how a
+peer starts: it sweeps a killed write's temporary file, reads the newest whole checkpoint, and moves an
+unreadable one aside (never deleting it) with one line saying so, so that a damaged file costs at most a
+re-sync from the run, never the start of the daemon.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,8 @@ import os
 import pickle
 import re
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +24,8 @@ import torch
 FORMAT = "dilocod-checkpoint"
 VERSION = 1
 FILENAME = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+TEMP_PREFIX = ".checkpoint-"
 
 
 class CheckpointError(Exception):
@@ -28,12 +40,14 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> Path:
     """Write `state` so that a crash at any moment leaves either the old or the new file, never half."""
     run_dir.mkdir(parents=True, exist_ok=True)
     target = checkpoint_path(run_dir)
-    fd, tmp_name = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=run_dir)
+    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp", dir=run_dir)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
+        if target.exists():
+            os.replace(target, run_dir / PREVIOUS)
         os.replace(tmp_name, target)
         _fsync_dir(run_dir)
     except BaseException:
@@ -47,20 +61,30 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     path = checkpoint_path(run_dir)
     if not path.exists():
         return None
+    return read_checkpoint(path)
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """The file is damaged (truncated, garbage, unsafe objects): a peer moves it aside and goes on."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {path} is unreadable ({reason}); move it away to start fresh")
+        self.path, self.reason = path, reason
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """One checkpoint file. UnreadableCheckpoint if damaged; CheckpointError if whole but not one this
+    dilocod can use (another format or version: a wrong --run-dir or binary, which the operator decides)."""
     try:
         # weights_only: a checkpoint file must never be able to run code.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         # torch's own message advises turning weights_only off, which would run whatever the file holds.
         reason = "not a dilocod checkpoint, or it holds objects other than tensors and plain data"
-        raise CheckpointError(
-            f"checkpoint {path} is unreadable ({reason}); move it away to start fresh"
-        ) from None
+        raise UnreadableCheckpoint(path, reason) from None
     except Exception as e:
         reason = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().split("\n")[0][:200] or type(e).__name__
-        raise CheckpointError(
-            f"checkpoint {path} is unreadable ({reason}); move it away to start fresh"
-        ) from None
+        raise UnreadableCheckpoint(path, reason) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a dilocod checkpoint; move it away to start fresh")
     if state.get("version") != VERSION:
@@ -68,6 +92,56 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             f"checkpoint {path} has version {state.get('version')}, this dilocod reads {VERSION}"
         )
     return state
+
+
+@dataclass
+class Opened:
+    """What a peer starts from: the newest whole checkpoint (None: none), and what was done to find it."""
+
+    state: dict[str, Any] | None
+    path: Path | None = None
+    notes: list[str] = field(default_factory=list)  # one line each, for the log
+
+
+def open_checkpoint(run_dir: Path) -> Opened:
+    """The newest whole checkpoint in `run_dir`, recovering from a killed write or a damaged file.
+
+    Raises CheckpointError only for a whole file this dilocod must not use (another format or version)."""
+    opened = Opened(None, notes=_sweep_temporaries(run_dir))
+    for path in (checkpoint_path(run_dir), run_dir / PREVIOUS):
+        if not path.exists():
+            continue
+        try:
+            opened.state, opened.path = read_checkpoint(path), path
+            return opened
+        except UnreadableCheckpoint as e:
+            aside = _move_aside(path)
+            opened.notes.append(f"checkpoint {path} is unreadable ({e.reason}); moved to {aside.name}")
+    if any(note.startswith("checkpoint ") for note in opened.notes):
+        opened.notes.append(
+            "no whole checkpoint left: starting from the run's state, downloaded from its peers"
+        )
+    return opened
+
+
+def _sweep_temporaries(run_dir: Path) -> list[str]:
+    """Remove what a write killed midway left; the checkpoint it would have replaced is still whole."""
+    if not run_dir.is_dir():
+        return []
+    notes = []
+    for tmp in sorted(run_dir.glob(f"{TEMP_PREFIX}*.tmp")):
+        tmp.unlink(missing_ok=True)
+        notes.append(f"removed {tmp.name}, a checkpoint write that was cut short")
+    return notes
+
+
+def _move_aside(path: Path) -> Path:
+    aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.bad-{int(time.time())}-{n}"), n + 1
+    os.replace(path, aside)
+    return aside
 
 
 def _fsync_dir(path: Path) -> None:
