@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,9 @@ class NodeOptions:
     reachability: str | None = None  # None = let AutoNAT decide; "public" | "private" forces it
     trusted_relays: tuple[str, ...] = ()  # relays to reserve a slot on (with auto_relay), peers/relay.py
     startup_timeout: float = 60.0
+    # How long to keep trying when none of `initial_peers` answers: a bootstrap that is restarting, or
+    # too busy to answer one ping in time, must not end a peer's start (each try pings for 3 s).
+    bootstrap_wait: float = 30.0
     auth: RunAuth | None = None  # the run key (peers/auth.py); None = an open run. Its repr hides secrets.
 
 
@@ -68,6 +73,15 @@ def parse_multiaddr(text: str, *, need_peer_id: bool = True) -> Multiaddr:
     return maddr
 
 
+class _NoInitialPeer(Exception):
+    """No initial peer answered the DHT's ping: worth another try (the message is the user's line)."""
+
+
+def retry_pause(attempt: int) -> float:
+    """Seconds before try `attempt` + 1 of a start that found no initial peer: 1, 2, 4, 5, 5, …"""
+    return float(min(5, 2 ** (attempt - 1)))
+
+
 def _listen_maddr(host: str, port: int) -> str:
     family = "ip6" if ":" in host else "ip4"
     return f"/{family}/{host}/tcp/{port}"
@@ -88,7 +102,21 @@ class Node:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the DHT process and p2pd; blocking (call it from an executor)."""
+        """Start the DHT process and p2pd; blocking (call it from an executor). While none of the initial
+        peers answers, try again with backoff for `bootstrap_wait` seconds; then the error stands."""
+        deadline = time.monotonic() + self.options.bootstrap_wait
+        for attempt in itertools.count(1):
+            try:
+                self._start_once()
+                return
+            except _NoInitialPeer as e:
+                pause = retry_pause(attempt)
+                if time.monotonic() + pause >= deadline:
+                    raise PeersError(str(e)) from None
+                log.warning("%s; trying again in %.0fs", e, pause)
+                time.sleep(pause)
+
+    def _start_once(self) -> None:
         opts = self.options
         identity = self._identity()
         kwargs: dict[str, Any] = dict(
@@ -120,11 +148,13 @@ class Node:
         except Exception as e:
             self.stop()
             reason = str(e).split("\n")[0] or type(e).__name__
-            if "none of the initial_peers responded" in reason:
+            # hivemind's ping of them failed, or p2pd's own dial of them did (it exits at start)
+            if "none of the initial_peers responded" in reason or "failed to connect to bootstrap" in reason:
                 peers = ", ".join(opts.initial_peers)
-                reason = (
-                    f"none of the initial peers answered ({peers}); is the bootstrap running and reachable?"
-                )
+                raise _NoInitialPeer(
+                    f"could not start the DHT node: none of the initial peers answered ({peers}); "
+                    "is the bootstrap running and reachable?"
+                ) from None
             raise PeersError(f"could not start the DHT node: {reason}") from None
         auth = opts.auth.describe() if opts.auth is not None else "open (no run.key)"
         log.info("run authorization: %s; our DHT records are signed with our identity key", auth)
@@ -217,6 +247,16 @@ class Node:
             value = getattr(item, "value", None)
             records[str(subkey)] = value
         return records
+
+    async def dht_records(self) -> int:
+        """Records this node's DHT holds: stored for others plus cached (what a soak watches for growth;
+        hivemind drops expired ones as it counts)."""
+
+        async def _count(_dht: Any, node: Any) -> int:
+            return len(node.protocol.storage) + len(node.protocol.cache)
+
+        future = self.started.run_coroutine(_count, return_future=True)
+        return int(await asyncio.wrap_future(future))
 
     async def peers_connected(self) -> int:
         """How many DHT peers our routing table knows (cheap liveness signal for the UI)."""

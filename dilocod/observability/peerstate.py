@@ -27,6 +27,7 @@ class RoundRecord:
     time: float = field(default_factory=time.time)
     tokens: int = 0  # tokens behind our contribution to this round
     tokens_counted: float = 0.0  # of those, what reached θ_global (the weight the group gave them)
+    reason: str | None = None  # why a round failed, one line (`incomplete: …` when results came back partial)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class PeerState:
     contributing: bool = True
     not_contributing_reason: str | None = None
     manifest_hash: str | None = None
+    dht_records: int | None = None  # records our DHT node holds (stored + cached), read every heartbeat
     loss: float = math.nan
     eval_loss: float | None = None
     tokens_per_second: float = 0.0
@@ -132,6 +134,7 @@ class PeerState:
             "group_size": self.group_size,
             "alone": self.alone,
             "peers_known": self.peers_known,
+            "dht_records": self.dht_records,
             "rounds_ok": self.rounds_ok,
             "rounds_failed": self.rounds_failed,
             "resyncs": self.resyncs,

@@ -64,6 +64,7 @@ class BootstrapDaemon:
         self.relays: list[str] = []
         self.started = time.time()
         self._peers: list[dict[str, Any]] = []
+        self._dht_records: int | None = None  # records our DHT node holds, read with the run
         self.manifests: ManifestBook | None = None
 
     async def run(self) -> int:
@@ -186,6 +187,8 @@ class BootstrapDaemon:
             try:
                 self._peers = await self.run_view()
                 self.metrics.peers_known.set(len(self._peers))
+                if self.node is not None and self.node.dht is not None:
+                    self._dht_records = await self.node.dht_records()
             except Exception as e:
                 log.debug("reading the run failed: %r", e)
             with contextlib.suppress(TimeoutError):
@@ -208,6 +211,7 @@ class BootstrapDaemon:
             "maddrs": first_public_maddrs(node.visible_maddrs()) if live and node else [],
             "relays": list(self.relays),
             "peers_known": len(self._peers),
+            "dht_records": self._dht_records,
             "outer_step": max((p["outer_step"] for p in self._peers), default=0),
             "uptime_seconds": time.time() - self.started,
             "version": __version__,

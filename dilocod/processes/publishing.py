@@ -89,6 +89,7 @@ class StatusPublisher:
                 ]
                 self.state.peers_known = len(others)
                 self.metrics.peers_known.set(self.state.peers_known)
+                self.state.dht_records = await self.node.dht_records()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the DHT being briefly unreachable must not stop the heartbeat

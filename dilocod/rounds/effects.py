@@ -162,6 +162,7 @@ class Effects:
             self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,
             loss, eval_loss, sent, received,
             tokens=self.context.sent_tokens, tokens_counted=round(self.context.counted, 1),
+            reason=self._failure(outcome, effect),
         )  # fmt: skip
         self.state.history.append(entry)
         self.metrics.rounds.labels(result=outcome.value).inc()
@@ -170,6 +171,11 @@ class Effects:
         self.context.outcome = None
         self.context.sent_tokens, self.context.counted = 0, 0.0
         self.sync_tokens()
+
+    def _failure(self, outcome: Outcome, effect: Record) -> str | None:
+        if outcome is Outcome.FAILED:
+            return effect.detail or incomplete_reason(self._reducer_errors())
+        return effect.detail if outcome in FAILURES else None
 
     def _bytes(self) -> tuple[int, int]:
         outcome = self.context.outcome
@@ -204,8 +210,7 @@ class Effects:
         elif outcome is Outcome.NO_GROUP:
             log.info("no group at outer step %d; keeping our progress for the next round", step)
         elif outcome is Outcome.FAILED:
-            reason = effect.detail or incomplete_reason(self._reducer_errors())
-            log.warning("round %d failed (%s); keeping our progress for the next round", step, reason)
+            log.warning("round %d failed (%s); keeping our progress for the next round", step, entry.reason)
         elif outcome is Outcome.DIVERGED:
             log.warning("our θ_global is not the run's at outer step %d: re-syncing", step)
         elif outcome is Outcome.BANNED:

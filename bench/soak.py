@@ -1,0 +1,223 @@
+"""An hour of a run: does anything grow, and does every round complete?
+
+    .venv/bin/python bench/soak.py [--peers 4] [--minutes 60] [--sample 60] [--warmup 10] [--set k=v ...] [--json]
+
+A bootstrap and `--peers` real peers on loopback (tiny preset, the test harness's fast settings, H = 5)
+for `--minutes`. Every `--sample` seconds it reads, for the bootstrap and each peer, the whole process
+tree (the daemon, hivemind's DHT and averager processes, p2pd): resident memory, open file descriptors,
+threads and child processes, from /proc; and from `/api/status` how many records the node's DHT holds
+(`dht_records`) and every round in the peer's history. At the end it counts peer-rounds: ok, failed, of
+those incomplete (results came back partial: `reason` starts with `incomplete`), and the rest by result;
+and for each process, growth per hour of each figure between the first sample after `--warmup` minutes
+and the last (a least-squares slope over those samples, so one noisy sample does not decide it). With
+`--json` it prints one object: `rounds_total`, `rounds_ok`, `rounds_failed`, `rounds_incomplete`,
+`rounds_by_result`, `processes` (name → first/last/growth per hour of `rss_mb`, `fds`, `threads`,
+`children`, `dht_records`) and `samples`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.harness import FAST, Proc, Swarm  # noqa: E402
+
+FIGURES = ("rss_mb", "fds", "threads", "children", "dht_records")
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and every live descendant (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [pid], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _status_field(pid: int, name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return int(line.split()[1])
+    return 0
+
+
+def sample(proc: Proc) -> dict[str, float | None]:
+    """One process tree's figures now (None for the DHT's records if its API did not answer)."""
+    assert proc.popen is not None
+    rss_kb = fds = threads = 0
+    pids = tree(proc.popen.pid)
+    for pid in pids:
+        try:
+            rss_kb += _status_field(pid, "VmRSS")
+            threads += _status_field(pid, "Threads")
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:  # gone meanwhile
+            continue
+    try:
+        records = proc.status().get("dht_records")
+    except Exception:
+        records = None
+    return {
+        "rss_mb": rss_kb / 1024,
+        "fds": fds,
+        "threads": threads,
+        "children": len(pids) - 1,
+        "dht_records": records,
+    }
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value), per hour."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return 0.0 if var == 0 else 3600 * sum((t - mt) * (v - mv) for t, v in points) / var
+
+
+def growth(samples: list[dict[str, Any]], name: str, warmup_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for figure in FIGURES:
+        points = [
+            (s["t"], s["processes"][name][figure])
+            for s in samples
+            if s["t"] >= warmup_s and s["processes"].get(name, {}).get(figure) is not None
+        ]
+        if not points:
+            continue
+        first, last = points[0][1], points[-1][1]
+        per_hour = slope_per_hour(points)
+        out[figure] = {
+            "first": round(first, 1),
+            "last": round(last, 1),
+            "per_hour": round(per_hour, 2),
+            "per_hour_pct": round(100 * per_hour / first, 2) if first else None,
+        }
+    return out
+
+
+def collect_rounds(s: Swarm, seen: dict[tuple[str, int, float], dict[str, Any]]) -> None:
+    """Add each peer's history entries not seen yet (a history holds the last 100 rounds; sampled often
+    enough, none is missed)."""
+    for proc in s.peers:
+        try:
+            status = proc.status()
+        except Exception:
+            continue
+        for entry in status["rounds"]:
+            seen.setdefault((proc.name, entry["outer_step"], entry["time"]), entry)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--minutes", type=float, default=60.0)
+    parser.add_argument("--sample", type=float, default=60.0, help="seconds between samples")
+    parser.add_argument("--warmup", type=float, default=10.0, help="minutes left out of the growth figures")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    samples: list[dict[str, Any]] = []
+    rounds: dict[tuple[str, int, float], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dilocod-soak-") as root:
+        s = Swarm(Path(root), overrides=(*FAST, *args.overrides))
+        try:
+            s.start_bootstrap()
+            for _ in range(args.peers):
+                s.add_peer()
+            s.wait_all_at(1, timeout=300)
+            start = time.monotonic()
+            next_sample = start
+            while (now := time.monotonic()) < start + 60 * args.minutes:
+                collect_rounds(s, rounds)
+                if now >= next_sample:
+                    assert s.bootstrap is not None
+                    procs = {p.name: sample(p) for p in (s.bootstrap, *s.peers)}
+                    samples.append({"t": round(now - start, 1), "processes": procs})
+                    next_sample += args.sample
+                    print(f"[{(now - start) / 60:5.1f} min] {_line(procs)}", file=sys.stderr, flush=True)
+                time.sleep(min(10.0, args.sample))
+            collect_rounds(s, rounds)
+        finally:
+            s.close()
+    print(
+        json.dumps(summary(samples, rounds, 60 * args.warmup)) if args.json else _table(samples, rounds, args)
+    )
+    return 0
+
+
+def summary(
+    samples: list[dict[str, Any]], rounds: dict[tuple[str, int, float], dict[str, Any]], warmup_s: float
+) -> dict[str, Any]:
+    by_result = Counter(e["result"] for e in rounds.values())
+    incomplete = sum(
+        1
+        for e in rounds.values()
+        if e["result"] == "failed" and str(e.get("reason") or "").startswith("incomplete")
+    )
+    names = list(samples[-1]["processes"]) if samples else []
+    return {
+        "rounds_total": len(rounds),
+        "rounds_ok": by_result.get("ok", 0),
+        "rounds_failed": by_result.get("failed", 0),
+        "rounds_incomplete": incomplete,
+        "rounds_by_result": dict(by_result),
+        "failure_reasons": dict(Counter(str(e.get("reason")) for e in rounds.values() if e.get("reason"))),
+        "processes": {name: growth(samples, name, warmup_s) for name in names},
+        "samples": samples,
+    }
+
+
+def _line(procs: dict[str, dict[str, Any]]) -> str:
+    return "  ".join(
+        f"{name}: {p['rss_mb']:.0f}MB {p['fds']}fd {p['threads']}thr {p['children']}ch {p['dht_records']}rec"
+        for name, p in procs.items()
+    )
+
+
+def _table(
+    samples: list[dict[str, Any]],
+    rounds: dict[tuple[str, int, float], dict[str, Any]],
+    args: argparse.Namespace,
+) -> str:
+    result = summary(samples, rounds, 60 * args.warmup)
+    lines = [
+        f"{args.peers} peers, {args.minutes:g} min: {result['rounds_total']} peer-rounds, "
+        f"{result['rounds_ok']} ok, {result['rounds_failed']} failed ({result['rounds_incomplete']} incomplete); "
+        f"by result {result['rounds_by_result']}",
+        "| process | figure | first | last | growth / h | growth / h % |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, figures in result["processes"].items():
+        for figure, g in figures.items():
+            lines.append(
+                f"| {name} | {figure} | {g['first']} | {g['last']} | {g['per_hour']} | {g['per_hour_pct']} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

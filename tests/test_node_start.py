@@ -1,0 +1,65 @@
+"""A peer's DHT start outlasts a bootstrap that is not answering yet (restarting, or too busy for one
+ping): `peers.node.Node.start` tries again with backoff for `bootstrap_wait` seconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from dilocod.processes.demo import free_port
+from peers.auth import Identity
+from peers.errors import PeersError
+from peers.node import Node, NodeOptions, retry_pause
+
+
+def test_retry_pauses_back_off_to_five_seconds() -> None:
+    assert [retry_pause(a) for a in range(1, 7)] == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+
+
+def _future_bootstrap(tmp_path: Path) -> tuple[str, str, int]:
+    """An identity file, its peer's maddr and port, before anything listens there."""
+    key = tmp_path / "boot.key"
+    P2P.generate_identity(str(key))
+    peer_id = PeerID(Identity.load(key).peer_id).to_base58()
+    port = free_port()
+    return str(key), f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}", port
+
+
+def test_a_start_waits_for_a_bootstrap_that_comes_up_late(tmp_path: Path) -> None:
+    key, maddr, port = _future_bootstrap(tmp_path)
+    joiner = Node(NodeOptions(run_id="late", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=40))
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            joiner.start()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    time.sleep(5)  # the joiner's first ping has failed by now
+    boot = Node(NodeOptions(run_id="late", host="127.0.0.1", port=port, identity_path=key))
+    try:
+        boot.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and errors == [], errors
+        assert joiner.dht is not None
+    finally:
+        joiner.stop()
+        boot.stop()
+
+
+def test_nobody_there_still_ends_in_one_line_after_the_wait(tmp_path: Path) -> None:
+    _, maddr, _ = _future_bootstrap(tmp_path)
+    node = Node(NodeOptions(run_id="none", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=2))
+    started = time.monotonic()
+    with pytest.raises(PeersError) as info:
+        node.start()
+    assert "none of the initial peers answered" in str(info.value) and "\n" not in str(info.value)
+    assert time.monotonic() - started < 30
+    assert node.dht is None
