@@ -204,6 +204,8 @@ def _delete_by_prefix(prefix: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         (STATE_DIR / f"{prefix}.owner").unlink()
+    for stats in STATE_DIR.glob(f"{prefix}-*.line*") if STATE_DIR.is_dir() else ():
+        stats.unlink(missing_ok=True)  # the delay lines' counters
     if leftover:
         raise NetBedError(f"processes {leftover} in {prefix}-* namespaces survived SIGKILL")
 
@@ -663,9 +665,21 @@ class NetBed:
             nfqueue = ["-j", "NFQUEUE", "--queue-num", str(QUEUE_NUM)]
             _iptables(node.delay_ns, "-t", "mangle", "-A", SHAPE_CHAIN, *nfqueue)
 
+    def _line_stats(self, ns: str) -> Path:
+        return STATE_DIR / f"{ns}.line"  # ns starts with the bed's prefix: removed with the bed
+
+    def line_counts(self, name: str) -> tuple[int, int]:
+        """(dropped, seen) packets of the delay line on `name`'s link so far (updated about once a second)."""
+        node = self.nodes[name]
+        assert node.delay_ns is not None, f"{name} has no shaped link"
+        dropped, seen = self._line_stats(node.delay_ns).read_text().split()
+        return int(dropped), int(seen)
+
     def _start_delay_line(self, ns: str, shape: Shape) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), "delayq"]
         argv += ["--queue", str(QUEUE_NUM), "--delay-ms", str(shape.delay_ms), "--loss", str(shape.loss)]
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        argv += ["--stats", str(self._line_stats(ns))]
         p = self._popen(ns, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # The NFQUEUE rule is added only once the line is bound (bounded wait for its "ready" line):
         # packets queued to an unbound queue would be dropped.
@@ -873,8 +887,9 @@ def _packet_ids(datagram: bytes) -> Iterable[int]:
         off += (length + 3) & ~3
 
 
-def delay_line(queue: int, delay_ms: float, loss: float) -> None:
-    """Hold every packet of NFQUEUE `queue` for delay_ms, dropping `loss` percent; runs until SIGTERM."""
+def delay_line(queue: int, delay_ms: float, loss: float, stats: Path | None = None) -> None:
+    """Hold every packet of NFQUEUE `queue` for delay_ms, dropping `loss` percent; runs until SIGTERM.
+    With `stats`, "<dropped> <seen>" is kept there (rewritten whole about once a second)."""
     # Unsegmented GSO packets are cheap to queue, but one dropped GSO packet would be a burst of lost
     # segments; with loss the kernel segments them first, so loss is per wire packet.
     sock = _nfq_open(queue, gso=loss == 0)
@@ -891,7 +906,12 @@ def delay_line(queue: int, delay_ms: float, loss: float) -> None:
     print("ready", flush=True)
     delay, p_loss, rng = delay_ms / 1000.0, loss / 100.0, random.Random()
     pending: deque[tuple[float, int]] = deque()  # (due time, packet id), FIFO
+    seen = dropped = 0
+    reported = time.monotonic()
     while not stop:
+        if stats is not None and time.monotonic() - reported >= 1.0:
+            _write_counts(stats, dropped, seen)
+            reported = time.monotonic()
         timeout = 0.5 if not pending else max(0.0, pending[0][0] - time.monotonic())
         with contextlib.suppress(InterruptedError):
             select.select([sock], [], [], timeout)
@@ -904,7 +924,9 @@ def delay_line(queue: int, delay_ms: float, loss: float) -> None:
                 continue
             now = time.monotonic()
             for pid in _packet_ids(datagram):
+                seen += 1
                 if p_loss and rng.random() < p_loss:
+                    dropped += 1
                     verdict = struct.pack(">II", NF_DROP, pid)
                     sock.send(_nfq_msg(NFQNL_MSG_VERDICT, queue, [_nlattr(NFQA_VERDICT_HDR, verdict)]))
                 else:
@@ -917,6 +939,12 @@ def delay_line(queue: int, delay_ms: float, loss: float) -> None:
             sock.send(_nfq_msg(NFQNL_MSG_VERDICT_BATCH, queue, [_nlattr(NFQA_VERDICT_HDR, verdict)]))
 
 
+def _write_counts(path: Path, dropped: int, seen: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{dropped} {seen}\n")
+    tmp.replace(path)  # a reader never sees half a line
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="netbed helpers (run inside a bed namespace)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -924,8 +952,9 @@ def main(argv: list[str] | None = None) -> None:
     dq.add_argument("--queue", type=int, default=QUEUE_NUM)
     dq.add_argument("--delay-ms", type=float, default=0.0)
     dq.add_argument("--loss", type=float, default=0.0)
+    dq.add_argument("--stats", type=Path, default=None, help="keep '<dropped> <seen>' in this file")
     args = ap.parse_args(argv)
-    delay_line(args.queue, args.delay_ms, args.loss)
+    delay_line(args.queue, args.delay_ms, args.loss, args.stats)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ RATE_MBIT = 20.0  # the slow link: with 40 ms each way at the NAT, 80 ms RTT to 
 # lets DHT requests and the upload's acks through. (At 1 Mbit/s the starved peer's DHT view broke for
 # minutes after the link came back.)
 STARVED_MBIT = 2.5
+LOSS_PERCENT = 1.0  # each way, at each NAT's delay line
 
 
 def joint_rounds(statuses: list[dict[str, Any]]) -> dict[int, str]:
@@ -112,6 +113,21 @@ def test_slow_links_rounds_still_complete(netbed: NetBed, wan: Callable[..., Net
             if entry["result"] == "ok":
                 payload = max(entry["bytes_sent"], entry["bytes_received"])
                 assert payload > 0 and entry["seconds"] >= payload * 8 / (RATE_MBIT * 1e6), entry
+    assert netbed.guard_violations() == 0, netbed.guard_report()
+
+
+def test_one_percent_packet_loss_rounds_still_complete(netbed: NetBed, wan: Callable[..., NetSwarm]) -> None:
+    """1 % of packets lost each way between each NATed peer and the bootstrap (20 ms RTT: TCP must resend
+    them): the peers still average together, bit-identical, and the loss really happened."""
+    for host in NAT_HOSTS:
+        netbed.add_nat(host, delay_ms=10, loss=LOSS_PERCENT)
+    s = wan()
+    start_nat_run(s)
+    statuses = wait_joint_rounds(s, 3, timeout=240)
+    assert len(joint_rounds(statuses)) >= 3
+    for host in NAT_HOSTS:  # the delay lines dropped about 1 % of what they carried
+        dropped, seen = netbed.line_counts(host)
+        assert seen > 1000 and 0.003 < dropped / seen < 0.03, (host, dropped, seen)
     assert netbed.guard_violations() == 0, netbed.guard_report()
 
 
