@@ -4,7 +4,8 @@
 
 A bootstrap and `--peers` real peers on loopback (tiny preset, the test harness's fast settings, H = 5)
 for `--minutes`. Every `--sample` seconds it reads, for the bootstrap and each peer, the whole process
-tree (the daemon, hivemind's DHT and averager processes, p2pd): resident memory, open file descriptors,
+tree (the daemon, hivemind's DHT and averager processes, p2pd): memory (proportional set size, so pages
+the forked children share with the daemon count once), open file descriptors,
 threads and child processes, from /proc; and from `/api/status` how many records the node's DHT holds
 (`dht_records`) and every round in the peer's history. At the end it counts peer-rounds: ok, failed, of
 those incomplete (results came back partial: `reason` starts with `incomplete`), and the rest by result;
@@ -59,6 +60,15 @@ def _status_field(pid: int, name: str) -> int:
     return 0
 
 
+def _proportional_kb(pid: int) -> int:
+    """The process's proportional set size: its private memory plus its share of pages shared with others
+    (the DHT and averager processes are forks of the daemon: plain RSS would count torch's pages in each)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return _status_field(pid, "VmRSS")
+
+
 def sample(proc: Proc) -> dict[str, float | None]:
     """One process tree's figures now (None for the DHT's records if its API did not answer)."""
     assert proc.popen is not None
@@ -66,7 +76,7 @@ def sample(proc: Proc) -> dict[str, float | None]:
     pids = tree(proc.popen.pid)
     for pid in pids:
         try:
-            rss_kb += _status_field(pid, "VmRSS")
+            rss_kb += _proportional_kb(pid)
             threads += _status_field(pid, "Threads")
             fds += len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:  # gone meanwhile

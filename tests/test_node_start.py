@@ -3,6 +3,7 @@ ping): `peers.node.Node.start` tries again with backoff for `bootstrap_wait` sec
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -49,6 +50,11 @@ def test_a_start_waits_for_a_bootstrap_that_comes_up_late(tmp_path: Path) -> Non
         thread.join(timeout=60)
         assert not thread.is_alive() and errors == [], errors
         assert joiner.dht is not None
+        # They form one DHT: a record the joiner publishes is held (stored or cached) by the two of them,
+        # which `dht_records` (in /api/status) counts.
+        before = asyncio.run(boot.dht_records()) + asyncio.run(joiner.dht_records())
+        assert asyncio.run(joiner.publish("status", b"hello", ttl=60))
+        assert asyncio.run(boot.dht_records()) + asyncio.run(joiner.dht_records()) > before
     finally:
         joiner.stop()
         boot.stop()
