@@ -12,7 +12,10 @@ settings, 1 torch thread each). A peer of speed s < 1 runs its trainer only s of
 - the swarm's useful-compute fraction: Σ tokens that reached θ_global ÷ Σ tokens trained;
 - each peer's compute utilization (time in inner steps ÷ wall time);
 - the share of peer-rounds in the run's round (a successful round with every peer in it);
-- the eval loss of θ_global at the end (equal wall time for every variant compared).
+- the eval loss of θ_global at the end (equal wall time for every variant compared);
+- the median seconds of an applied round in matchmaking and in the all-reduce;
+- the bootstrap's cost over the measured seconds: cores busy on average and memory (PSS of its process
+  tree), in all and per peer.
 
 `--repo DIR` runs another checkout's daemon (its `tests/harness.py` and `dilocod/`), for a side-by-side
 comparison with an older commit in a `git worktree`. A version without token accounting (before the
@@ -34,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE / "bench"))
+
+from procstats import tree, tree_figures  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,13 +93,28 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for peer, speed in zip(s.peers, speeds):
             if speed < 1:
                 peer.throttle(speed)
+        assert s.bootstrap is not None and s.bootstrap.popen is not None
+        boot_pids = tree(s.bootstrap.popen.pid)
+        boot_before = tree_figures(s.bootstrap.popen.pid)["cpu_seconds"]
         time.sleep(args.seconds)
+        boot = tree_figures(s.bootstrap.popen.pid)
+        whole = set(tree(s.bootstrap.popen.pid)) >= set(boot_pids)  # no child of its tree ended meanwhile
         for peer in s.peers:
             peer.unthrottle()
         statuses = [p.status() for p in s.peers]
     finally:
         s.close()
-    return summarize(args, (*harness.FAST, *args.overrides), speeds, statuses)
+    result = summarize(args, (*harness.FAST, *args.overrides), speeds, statuses)
+    # The bootstrap's cost (its DHT, relay and auxiliary reducer): CPU over the measured seconds (its tree
+    # as it was at the start: children that lived throughout) and memory at the end, per peer served.
+    cpu = boot["cpu_seconds"] - boot_before if whole else None
+    result["bootstrap"] = {
+        "cpu_share": None if cpu is None else round(cpu / args.seconds, 3),  # cores busy on average
+        "cpu_share_per_peer": None if cpu is None else round(cpu / args.seconds / len(speeds), 4),
+        "memory_mb": round(boot["rss_mb"], 1),
+        "memory_mb_per_peer": round(boot["rss_mb"] / len(speeds), 1),
+    }
+    return result
 
 
 def setting(overrides: tuple[str, ...], key: str) -> int:
@@ -132,6 +153,8 @@ def summarize(
         "in_run_round": in_run_round(statuses),
         "reached_share": reached_share(statuses),
         "close_to_applied": close_to_applied(statuses),
+        "matchmaking_seconds": phase_median(statuses, allreduce=False),
+        "allreduce_seconds": phase_median(statuses, allreduce=True),
         "eval_loss": min((p["eval_loss"] for p in peers if p["eval_loss"] is not None), default=None),
         "outer_steps": max(p["outer_step"] for p in peers),
         "peers": peers,
@@ -177,6 +200,16 @@ def close_to_applied(statuses: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(seconds), 3) if seconds else None
 
 
+def phase_median(statuses: list[dict[str, Any]], allreduce: bool) -> float | None:
+    """Median seconds of applied rounds spent in the all-reduce, or before it (matchmaking); None for a
+    version whose round records do not split them."""
+    rounds = [e for st in statuses for e in st["rounds"] if e["result"] == "ok" and "allreduce_seconds" in e]
+    if not rounds:
+        return None
+    values = [e["allreduce_seconds"] if allreduce else e["seconds"] - e["allreduce_seconds"] for e in rounds]
+    return round(statistics.median(values), 3)
+
+
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # reap the swarm through `finally`
@@ -189,7 +222,9 @@ def main() -> None:
         f"speeds {args.speeds}, {args.seconds:.0f}s: useful compute {result['useful_compute']:.3f}, "
         f"fast peers' utilization {result['fast_utilization']:.3f}, peer-rounds in the run's round "
         f"{result['in_run_round']:.3f} (reached θ_global: {result['reached_share']:.3f}), close to applied "
-        f"{result['close_to_applied']}s, {result['outer_steps']} outer steps, eval loss {result['eval_loss']}"
+        f"{result['close_to_applied']}s (matchmaking {result['matchmaking_seconds']}s, all-reduce "
+        f"{result['allreduce_seconds']}s), {result['outer_steps']} outer steps, eval loss {result['eval_loss']}; "
+        f"bootstrap {result['bootstrap']}"
     )
     for p in result["peers"]:
         print(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -29,69 +28,25 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procstats import tree_figures  # noqa: E402
 
 from tests.harness import FAST, Proc, Swarm  # noqa: E402
 
 FIGURES = ("rss_mb", "fds", "threads", "children", "dht_records")
 
 
-def tree(pid: int) -> list[int]:
-    """`pid` and every live descendant (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [pid], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _status_field(pid: int, name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{name}:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _proportional_kb(pid: int) -> int:
-    """The process's proportional set size: its private memory plus its share of pages shared with others
-    (the DHT and averager processes are forks of the daemon: plain RSS would count torch's pages in each)."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return _status_field(pid, "VmRSS")
-
-
 def sample(proc: Proc) -> dict[str, float | None]:
     """One process tree's figures now (None for the DHT's records if its API did not answer)."""
     assert proc.popen is not None
-    rss_kb = fds = threads = 0
-    pids = tree(proc.popen.pid)
-    for pid in pids:
-        try:
-            rss_kb += _proportional_kb(pid)
-            threads += _status_field(pid, "Threads")
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:  # gone meanwhile
-            continue
+    figures: dict[str, float | None] = dict(tree_figures(proc.popen.pid))
+    figures.pop("cpu_seconds")
     try:
-        records = proc.status().get("dht_records")
+        figures["dht_records"] = proc.status().get("dht_records")
     except Exception:
-        records = None
-    return {
-        "rss_mb": rss_kb / 1024,
-        "fds": fds,
-        "threads": threads,
-        "children": len(pids) - 1,
-        "dht_records": records,
-    }
+        figures["dht_records"] = None
+    return figures
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:

@@ -27,6 +27,7 @@ class RoundRecord:
     time: float = field(default_factory=time.time)
     tokens: int = 0  # tokens behind our contribution to this round
     tokens_counted: float = 0.0  # of those, what reached θ_global (the weight the group gave them)
+    allreduce_seconds: float = 0.0  # of `seconds`, exchanging tensors (the rest: matchmaking)
     reason: str | None = None  # why a round failed, one line (`incomplete: …` when results came back partial)
 
 

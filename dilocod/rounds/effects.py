@@ -162,7 +162,7 @@ class Effects:
             self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,
             loss, eval_loss, sent, received,
             tokens=self.context.sent_tokens, tokens_counted=round(self.context.counted, 1),
-            reason=self._failure(outcome, effect),
+            reason=self._failure(outcome, effect), allreduce_seconds=self._allreduce_seconds(),
         )  # fmt: skip
         self.state.history.append(entry)
         self.metrics.rounds.labels(result=outcome.value).inc()
@@ -176,6 +176,10 @@ class Effects:
         if outcome is Outcome.FAILED:
             return effect.detail or incomplete_reason(self._reducer_errors())
         return effect.detail if outcome in FAILURES else None
+
+    def _allreduce_seconds(self) -> float:
+        outcome = self.context.outcome
+        return 0.0 if outcome is None else round(outcome.allreduce_seconds, 3)
 
     def _bytes(self) -> tuple[int, int]:
         outcome = self.context.outcome
