@@ -24,7 +24,9 @@ sender keep its error-feedback residual without knowing the split).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import cast
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -35,8 +37,9 @@ from hivemind.averaging.partition import (
     TensorPartReducer,
 )
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import attach_event_on_finished
 
 from peers.wirecodec import (
     CodecCompression,
@@ -47,6 +50,11 @@ from peers.wirecodec import (
     payload_message,
     requantize,
 )
+
+# How long a reducer keeps a sender's stream open after its last average, waiting for the sender to close it
+# (see `ExactAllReduceRunner.rpc_aggregate_part`): a sender closes it as soon as that average is in, so this
+# bound only matters for a sender that died or hangs.
+LINGER_SECONDS = 30.0
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 """(stacked [n, d], weights [n] ≥ 0, the largest 1) → (reduced [d], indices of senders found faulty)."""
@@ -296,7 +304,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
             try:
-                await super()._communicate_with_peer(peer_id)  # remote reducers already send averages
+                await self._exchange_with_reducer(peer_id)
             except Exception as e:  # the reducer is already marked failed; keep the reason for the outcome
                 self.reducer_errors[peer_id] = short_reason(e)
                 raise
@@ -313,6 +321,55 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             # Keep a private copy: the reducer's accumulator is shared with what we send to others.
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged.clone())
+
+    async def _exchange_with_reducer(self, peer_id: PeerID) -> None:
+        """Send a remote reducer our parts and take its averages: hivemind's exchange (hivemind 1.1.12,
+        averaging/allreduce.py:212-245), except that we close the stream as soon as the last average is in.
+
+        The receiving side must close first. When the reducer closed its end right after its last reply
+        (hivemind's `_handle_stream`, p2p/p2p_daemon.py:469-471, then `closing(writer)` at :461), its p2pd closed the
+        libp2p stream both ways (go-libp2p-daemon's `doStreamPipe`: `dst.Close()` on one copy, `s.Reset()`
+        when the other copy's read fails), and a reset makes our p2pd drop whatever of that reply it still
+        held: we read a clean end of stream mid-message, which hivemind's client takes for the end
+        (p2p/p2p_daemon.py:502-503), and the round failed with "sent 3 parts, but we expected 4" (issue 15).
+        """
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        done_sending = asyncio.Event()
+        inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+        stream = cast(
+            AsyncGenerator[averaging_pb2.AveragingData, None],
+            await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs),
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            for part_index in range(expected):
+                try:
+                    message = await asyncio.wait_for(anext(stream), self.reducer_timeout)
+                except StopAsyncIteration:
+                    raise AllreduceException(
+                        f"peer {peer_id} sent {part_index} parts, but we expected {expected}"
+                    ) from None
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                averaged = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+        finally:
+            await stream.aclose()  # we have all we need: the reducer may close its end now
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's reducer side, then keep the stream open until the sender closes it (see
+        `_exchange_with_reducer`): our last reply must reach the sender before our end of the stream closes."""
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+        await _until_sender_closes(stream)
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -349,6 +406,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         if self.corrupt:
             return payload_message(encode_or_empty(self.codec, _garbage_like(averaged)))
         return payload_message(self.tensor_part_reducer.payloads[part_index])  # type: ignore[attr-defined]
+
+
+async def _until_sender_closes(stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:
+    """Wait, at most LINGER_SECONDS, until hivemind cancels this handler: it does when the sender's end of
+    the stream closes (p2p/p2p_daemon.py:475-477, 481-482). Whatever the sender still sends is read and dropped, so
+    that hivemind's request queue (5 deep, p2p/p2p_daemon.py:437) never blocks the loop that sees the close.
+    """
+    with contextlib.suppress(Exception):  # the timeout, or a request stream that already failed
+        async with asyncio.timeout(LINGER_SECONDS):
+            async for _ in stream:
+                pass
+            await asyncio.Event().wait()
 
 
 _BAD = torch.full((1,), float("nan"))

@@ -37,7 +37,9 @@ def share_by_bandwidth(total_size: int, bandwidths: Sequence[float | None]) -> t
 
 # Which wire protocol a round speaks: peers of another version never share a matchmaking key (a v2 peer's
 # ticket has no tokens; see proto.ROUND_TICKET), so they never meet rather than fail each other's rounds.
-ROUND_PROTOCOL = "dilocod.round.4"
+# v5: a sender closes each reducer's stream once it has the averages, and the reducer waits for that
+# (peers/allreduce.py); a v4 sender would wait for the reducer's close instead.
+ROUND_PROTOCOL = "dilocod.round.5"
 
 
 def round_group_bits(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -104,27 +103,6 @@ def run_round(groups: list[GroupAverager], step: int, inputs: list[list[torch.Te
     return asyncio.run(together())
 
 
-RETRY_STEP = 1000  # a re-run round's step offset: its ticket is a fresh one
-
-
-def run_complete_round(
-    groups: list[GroupAverager], step: int, inputs: list[list[torch.Tensor]]
-) -> list[RoundOutcome]:
-    """A round, run once more with the same inputs if the transport cut it.
-
-    A cut round is one where a reducer's stream failed for some member (seen once, in a CI run: one
-    member got 56 % of the averages, the others all of them). Members report it as incomplete with the
-    reducer and the reason, and the daemon just retries the next round, so that is not what these tests are
-    about. Anything else (no group, a wrong result, a failure again on the re-run) still fails the test.
-    """
-    outcomes = run_round(groups, step, inputs)
-    errors = [error for o in outcomes for error in o.reducer_errors]
-    if not errors:
-        return outcomes
-    warnings.warn(f"round {step} was cut by the transport and is run again: {errors}", stacklevel=2)
-    return run_round(groups, step + RETRY_STEP, inputs)
-
-
 def random_inputs(seed: int, scale: float = 1.0) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     return [[torch.randn(s, generator=gen) * scale for s in SHAPES] for _ in range(3)]
@@ -213,7 +191,7 @@ class TestInt8:
         nodes, groups = int8_trio
         codec = make_codec("int8")
         inputs = random_inputs(0)
-        outcomes = run_complete_round(groups, 0, inputs)
+        outcomes = run_round(groups, 0, inputs)
         result = assert_identical(outcomes)
 
         # Bit for bit what the codec and the mean give, part by part.
@@ -245,7 +223,7 @@ class TestInt8:
         inputs = random_inputs(1)
         inputs[1][0][0] = MAGIC  # member 1's first part goes out with a NaN scale
         inputs[2][0][PART + 5] = float("nan")  # member 2's second part cannot be encoded: empty payload
-        outcomes = run_complete_round(groups, 1, inputs)
+        outcomes = run_round(groups, 1, inputs)
         result = assert_identical(outcomes)  # nobody crashed, everyone applies the same bytes
 
         faulty = set().union(*(o.faulty for o in outcomes))
@@ -292,7 +270,7 @@ class TestInt2ErrorFeedback:
             sent = [ef.compensate(d) for ef, d in zip(feedback, deltas)]
             if step == 2:
                 sent[2] = [s * -1000.0 for s in sent[2]]  # a sign-flipping member: screened on decoded values
-            outcomes = run_complete_round(groups, 100 + step, sent)
+            outcomes = run_round(groups, 100 + step, sent)
             result = assert_identical(outcomes)
             expected = reduce_by_parts(sent, codec, self.REDUCE, group_order(outcomes[0], nodes))
             assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True)), f"round {step}"
