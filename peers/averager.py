@@ -17,6 +17,7 @@ host. What it adds:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -226,6 +227,19 @@ class RunAverager(StateDonors):
             else:
                 future.cancel()
         await self._withdraw_dht_requests()
+
+    async def _step(self, *, step: Any, future_for_init: MPFuture) -> None:
+        """hivemind's `_step`, without the traceback of a step we cancelled mid-all-reduce. Its result is
+        set on a future that is already cancelled, and the mpfuture raises concurrent.futures'
+        InvalidStateError, which hivemind does not catch: it names asyncio's own (hivemind 1.1.12,
+        averaging/averager.py:456 and :474), so the task ended with "Task exception was never retrieved"
+        and a traceback in the peer's log on every round the driver gave up mid-exchange."""
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        except concurrent.futures.InvalidStateError as e:
+            if not step.cancelled():
+                raise
+            log.debug("a cancelled round's result was dropped: %r", e)
 
     async def _withdraw_dht_requests(self) -> None:
         """Send the DHT process a last request, withdraw all later ones, and wait until it answers: its

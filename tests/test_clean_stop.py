@@ -187,3 +187,46 @@ def test_demo_stops_on_sigterm_without_a_traceback(tmp_path: Path) -> None:
     for name, path in logs.items():
         _quiet(name, path.read_text(errors="replace"))
     assert "stopping the swarm" in out.read_text()
+
+
+# ---------------------------------------------------------------- a round given up mid-exchange
+
+
+class _Step:
+    def __init__(self, cancelled: bool) -> None:
+        self._cancelled = cancelled
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+@pytest.mark.parametrize("cancelled", [True, False])
+def test_a_cancelled_rounds_late_result_is_dropped_quietly(
+    cancelled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hivemind sets a round's result on its step future even when the driver cancelled the step meanwhile;
+    the mpfuture raises concurrent.futures' InvalidStateError, which hivemind's `_step` lets out (a
+    traceback in the log). `RunAverager._step` drops it for a cancelled step, and only then."""
+    import asyncio
+    import concurrent.futures
+
+    from hivemind.averaging import averager as averager_module
+
+    from peers.averager import RunAverager
+
+    async def late_result(self: object, *, step: _Step, future_for_init: object) -> None:
+        raise concurrent.futures.InvalidStateError("Can't set_result to a future that is CANCELLED")
+
+    monkeypatch.setattr(averager_module.DecentralizedAverager, "_step", late_result)
+    # No processes: only the method is under test (and an averager never started has nothing to delete).
+    monkeypatch.setattr(averager_module.DecentralizedAverager, "__del__", lambda self: None)
+    averager = RunAverager.__new__(RunAverager)
+
+    async def outcome() -> str:
+        try:
+            await averager._step(step=_Step(cancelled), future_for_init=None)  # type: ignore[arg-type]
+        except concurrent.futures.InvalidStateError:
+            return "raised"
+        return "dropped"
+
+    assert asyncio.run(outcome()) == ("dropped" if cancelled else "raised")

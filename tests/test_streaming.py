@@ -206,7 +206,17 @@ H, F = 8, 4  # a slot of 2 inner steps; each fragment syncs once per 8 steps
 @pytest.mark.integration
 @pytest.mark.timeout(540)
 def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm]) -> None:
-    s = swarm(3, "outer.overlap=streaming", f"trainer.inner_steps={H}", f"outer.fragments={F}")
+    # A matchmaking window of 3 s (the default is 5): a peer that fell behind must re-sync and launch
+    # its round within the window the others wait for it. With the harness's 1.5 s, on 2 loaded cores, a
+    # peer that re-synced once stayed a round late for good (detection + download took ~2 s every round),
+    # seen in CI and reproduced here at load 17.
+    s = swarm(
+        3,
+        "outer.overlap=streaming",
+        f"trainer.inner_steps={H}",
+        f"outer.fragments={F}",
+        "averaging.min_matchmaking_time=3",
+    )
     statuses = s.wait_all_at(12, timeout=300)  # 12 fragment rounds: 3 sweeps of the 4 fragments
 
     for step, found in round_hashes(statuses).items():
