@@ -65,9 +65,11 @@ class FakeAveraging:
     def __init__(self, script: deque[Callable[[Contribution], RoundOutcome]]) -> None:
         self.script, self.in_allreduce = script, False
         self.seen: list[tuple[int, bytes]] = []
+        self.seconds = 0.0  # how long each round takes
 
     async def average(self, contribution: Contribution, ticket: bytes, group_target: int) -> RoundOutcome:
         self.seen.append((contribution.step, ticket))
+        await asyncio.sleep(self.seconds)
         answer = self.script.popleft() if self.script else no_group
         return answer(contribution)
 
@@ -234,6 +236,22 @@ def test_delayed_overlap_averages_while_the_next_round_trains() -> None:
     rig.run_until(lambda: rig.outer.step >= 2)
     assert rig.results()[:2] == ["ok", "ok"]
     assert [step for step, _ in rig.averaging.seen[:3]] == [0, 1, 2]  # one round in flight at a time
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.3])
+def test_rounds_that_outlast_the_next_ones_training_are_named_once(
+    seconds: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With overlap, a round hides behind the next round's training only while it is the shorter: rounds
+    of 0.3 s against 0.05 s of training make the inner steps wait, and the peer says so (once, after three
+    such rounds in a row); rounds that finish in time say nothing."""
+    rig = Rig(overlap="delayed", script=[ok] * 100)
+    rig.averaging.seconds = seconds
+    rig.view.others = [peer_record(0)]
+    with caplog.at_level("WARNING", logger="dilocod.rounds"):
+        rig.run_until(lambda: rig.outer.step >= 6)
+    said = [r for r in caplog.records if "outlasted the next one's training three times" in r.getMessage()]
+    assert len(said) == (1 if seconds else 0), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed"])

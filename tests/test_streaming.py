@@ -250,9 +250,9 @@ def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm])
     evals = [e["eval_loss"] for e in statuses[0]["rounds"] if e["eval_loss"] is not None]
     assert evals[-1] < evals[0], evals
 
-    # Slots of H / F inner steps here are far shorter than a round's matchmaking: the peers say so.
-    slow = "a round outlasted the next one's training three times in a row"
-    assert any(slow in peer.output() for peer in s.peers), s.peers[0].output()[-2000:]
+    # (Slots of H / F inner steps here are shorter than a round: whether three rounds in a row outlast
+    # their slot depends on the machine's load, so the warning a peer gives then is tested on the round
+    # driver: tests/test_round_driver.py, test_rounds_that_outlast_the_next_ones_training_are_named_once.)
 
     # SIGTERM with a fragment round possibly in flight: a clean exit with a checkpoint.
     leaver = s.peers[0]
