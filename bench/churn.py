@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.churnrun import check, churn  # noqa: E402
-from tests.harness import FAST, Swarm  # noqa: E402
+from tests.harness import FAST, start_swarm  # noqa: E402
 
 
 def main() -> int:
@@ -39,11 +39,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dilocod-churn-") as root:
-        s = Swarm(Path(root), overrides=(*FAST, *args.overrides))
+        s = start_swarm(Path(root), args.peers, (*FAST, *args.overrides))
         try:
-            s.start_bootstrap()
-            for _ in range(args.peers):
-                s.add_peer()
             s.wait_all_at(2, timeout=240)
             report = churn(s, args.kills, random.Random(args.seed))
             check(s, report)

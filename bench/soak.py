@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from procstats import tree_figures  # noqa: E402
 
-from tests.harness import FAST, Proc, Swarm  # noqa: E402
+from tests.harness import FAST, Proc, Swarm, start_swarm  # noqa: E402
 
 FIGURES = ("rss_mb", "fds", "threads", "children", "dht_records")
 
@@ -108,11 +108,8 @@ def main() -> int:
     samples: list[dict[str, Any]] = []
     rounds: dict[tuple[str, int, float], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="dilocod-soak-") as root:
-        s = Swarm(Path(root), overrides=(*FAST, *args.overrides))
+        s = start_swarm(Path(root), args.peers, (*FAST, *args.overrides))
         try:
-            s.start_bootstrap()
-            for _ in range(args.peers):
-                s.add_peer()
             s.wait_all_at(1, timeout=300)
             start = time.monotonic()
             next_sample = start

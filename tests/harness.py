@@ -306,3 +306,16 @@ class Swarm:
                     proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         for proc in procs:
             proc.reap()
+
+
+def start_swarm(root: Path, peers: int, overrides: tuple[str, ...] = FAST) -> Swarm:
+    """A bootstrap and `peers` peers, started (all reaped if one fails to start): for benchmarks."""
+    s = Swarm(root, overrides=overrides)
+    try:
+        s.start_bootstrap()
+        for _ in range(peers):
+            s.add_peer()
+    except BaseException:
+        s.close()
+        raise
+    return s

@@ -27,7 +27,7 @@ import torch
 from peers import allreduce, group
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.node import Node, NodeOptions
-from proto import encode_ticket
+from tests.fakes import round_ticket
 
 pytestmark = pytest.mark.integration
 
@@ -41,18 +41,7 @@ ROUNDS = int(os.environ.get("STRESS_ROUNDS", "100"))  # about 80 s in all on 2 c
 
 
 def ticket(step: int) -> bytes:
-    return encode_ticket(
-        {
-            "outer_step": step,
-            "global_sha256": "c" * 64,
-            "num_params": NUM,
-            "role": "peer",
-            "tokens": 1000,
-            "tokens_per_second": 100.0,
-            "train_seconds": 10.0,
-            "manifest_hash": "cd" * 32,
-        }
-    )
+    return round_ticket(step, NUM, "c" * 64)
 
 
 class SmallPartAverager(group.RunAverager):

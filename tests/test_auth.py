@@ -26,7 +26,7 @@ from peers.errors import PeersError
 from peers.group import AveragingOptions, GroupAverager
 from peers.membership import gathered_proof
 from peers.node import Node, NodeOptions
-from proto import encode_ticket
+from tests.fakes import round_ticket
 from tests.harness import Swarm, get_json
 
 SECRET = "correct horse battery staple"
@@ -211,18 +211,7 @@ NUM = sum(torch.Size(s).numel() for s in SHAPES)
 
 
 def _ticket(step: int) -> bytes:
-    return encode_ticket(
-        {
-            "outer_step": step,
-            "global_sha256": "a" * 64,
-            "num_params": NUM,
-            "role": "peer",
-            "tokens": 1000,
-            "tokens_per_second": 100.0,
-            "train_seconds": 10.0,
-            "manifest_hash": "ab" * 32,
-        }
-    )
+    return round_ticket(step, NUM)
 
 
 @pytest.fixture(scope="module")

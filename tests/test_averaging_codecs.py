@@ -21,7 +21,7 @@ from dilocod.codecs import Codec, ErrorFeedback, make_codec, roundtrip
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.node import Node, NodeOptions
 from peers.wirecodec import PartCodec
-from proto import encode_ticket
+from tests.fakes import round_ticket
 
 pytestmark = pytest.mark.integration
 
@@ -33,18 +33,7 @@ MAGIC = 12345.0  # a part starting with this value leaves the saboteur malformed
 
 
 def ticket(step: int) -> bytes:
-    return encode_ticket(
-        {
-            "outer_step": step,
-            "global_sha256": SHA,
-            "num_params": NUM,
-            "role": "peer",
-            "tokens": 1000,
-            "tokens_per_second": 100.0,
-            "train_seconds": 10.0,
-            "manifest_hash": "ab" * 32,
-        }
-    )
+    return round_ticket(step, NUM, SHA)
 
 
 class Saboteur:

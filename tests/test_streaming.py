@@ -24,7 +24,7 @@ from dilocod.processes.helper import parameter_shapes
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.grouping import round_group_bits
 from peers.node import Node, NodeOptions
-from proto import encode_ticket
+from tests.fakes import round_ticket
 from tests.harness import Swarm, round_hashes, round_results, wait_for
 from tests.test_swarm import _ok_counts
 
@@ -134,19 +134,7 @@ def trio() -> Iterator[list[GroupAverager]]:
 
 
 def _ticket(step: int) -> bytes:
-    total = sum(torch.Size(s).numel() for s in SHAPES)
-    return encode_ticket(
-        {
-            "outer_step": step,
-            "global_sha256": "a" * 64,
-            "num_params": total,
-            "role": "peer",
-            "tokens": 1000,
-            "tokens_per_second": 100.0,
-            "train_seconds": 10.0,
-            "manifest_hash": "ab" * 32,
-        }
-    )
+    return round_ticket(step, sum(torch.Size(s).numel() for s in SHAPES))
 
 
 def test_fragment_round_sends_only_the_fragment(trio: list[GroupAverager]) -> None:
