@@ -11,12 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dilocod import __version__
 from dilocod.cli import EXIT_USAGE, main
 from dilocod.statesync.checkpoint import FILENAME
 
-GARBAGE = b"definitely not a checkpoint\x00\xff\x01\x02"
+# A whole checkpoint file of another kind (a damaged one is moved aside and the peer goes on:
+# tests/test_checkpoint_recovery.py, and tests/test_swarm.py through the CLI).
+FOREIGN = {"model": {"w": [1.0, 2.0]}, "epoch": 3}
 
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -73,11 +76,12 @@ def test_version_prints_the_version(tmp_path: Path) -> None:
 def garbage_checkpoint_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """`join --run-dir DIR` where DIR/checkpoint.pt is garbage; run once, checked by several tests."""
+    """`join --run-dir DIR` where DIR/checkpoint.pt is a whole file of another program's; run once,
+    checked by several tests."""
     base = tmp_path_factory.mktemp("garbage-checkpoint")
     run_dir = base / "run"
     run_dir.mkdir()
-    (run_dir / FILENAME).write_bytes(GARBAGE)
+    torch.save(FOREIGN, run_dir / FILENAME)
     return run_dir, run_cli(base, "join", "--run-dir", str(run_dir), "--set", "trainer.device=cpu")
 
 
@@ -96,7 +100,7 @@ def test_garbage_checkpoint_is_left_untouched_and_nothing_started(
     garbage_checkpoint_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     run_dir, _ = garbage_checkpoint_run
-    assert (run_dir / FILENAME).read_bytes() == GARBAGE
+    assert torch.load(run_dir / FILENAME, weights_only=True) == FOREIGN
     # A peer given no peers starts a run: its manifest is signed with its identity before the trainer is
     # built (where the checkpoint is read); nothing else was written, and the DHT never started.
     assert {p.name for p in run_dir.iterdir()} <= {FILENAME, "dilocod.log", "identity.key", "manifest.bin"}
