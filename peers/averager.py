@@ -34,10 +34,11 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
-from peers.allreduce import ExactAllReduceRunner, PartCheck, PartReduce
+from peers.allreduce import ExactAllReduceRunner
 from peers.auth import RunAuth
 from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
+from peers.partreduce import PartCheck, PartReduce
 from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 

@@ -10,12 +10,12 @@ import torch
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import MatchmakingException
 
-from peers.allreduce import PartCheck, PartReduce
 from peers.averager import RunAverager
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.errors import PeersError
 from peers.grouping import chunk_timeout, round_group_bits
 from peers.node import Node, stop_child
+from peers.partreduce import PartCheck, PartReduce
 from peers.statedonors import StateProvider
 from peers.wirecodec import PartCodec
 

@@ -30,7 +30,7 @@ from dilocod.aggregation import (
 )
 from dilocod.aggregation._det import median_1d, row_sq_norms, vector_norm
 from dilocod.aggregation.pipeline import make_part_check
-from peers.allreduce import own_share
+from peers.partreduce import own_share
 
 NAN, INF = float("nan"), float("inf")
 REDUCERS: dict[str, Reducer] = {name: make_reducer(ReducerConfig(name=name)) for name in REDUCER_NAMES}

@@ -12,8 +12,8 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from dilocod.codecs import CODEC_NAMES, make_codec, roundtrip
-from peers.allreduce import BufferingReducer, weighted_mean
 from peers.grouping import round_group_bits
+from peers.partreduce import BufferingReducer, weighted_mean
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,
