@@ -108,6 +108,7 @@ def open_checkpoint(run_dir: Path) -> Opened:
 
     Raises CheckpointError only for a whole file this dilocod must not use (another format or version)."""
     opened = Opened(None, notes=_sweep_temporaries(run_dir))
+    damaged = False
     for path in (checkpoint_path(run_dir), run_dir / PREVIOUS):
         if not path.exists():
             continue
@@ -115,9 +116,9 @@ def open_checkpoint(run_dir: Path) -> Opened:
             opened.state, opened.path = read_checkpoint(path), path
             return opened
         except UnreadableCheckpoint as e:
-            aside = _move_aside(path)
+            aside, damaged = _move_aside(path), True
             opened.notes.append(f"checkpoint {path} is unreadable ({e.reason}); moved to {aside.name}")
-    if any(note.startswith("checkpoint ") for note in opened.notes):
+    if damaged:
         opened.notes.append(
             "no whole checkpoint left: starting from the run's state, downloaded from its peers"
         )
