@@ -1,12 +1,16 @@
 """How fast a peer that fell behind gets back into the run's groups.
 
-    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--slow SHARE] [--set k=v ...] [--keep DIR]
+    .venv/bin/python bench/rejoin.py [--peers 3] [--pause 6] [--after 12] [--repeats 3] [--slow SHARE] [--restart]
+                                     [--set k=v ...] [--keep DIR]
 
 A bootstrap and `--peers` real peers on loopback (tiny preset, the test harness's fast settings: H = 5,
 a 1.5 s matchmaking window). Once all are at outer step 3, the last peer is frozen (SIGSTOP) for
 `--pause` seconds, as a machine that stalls, then thawed: it finds the run ahead and re-syncs. With
 `--slow SHARE` it is instead throttled for good, as a slower machine: its process runs only SHARE of
-every 0.2 s (`tests.harness.Proc.throttle`). From the thaw (or the throttle) on, for `--after` outer steps of the run, the bench counts the stalled peer's re-syncs and its
+every 0.2 s (`tests.harness.Proc.throttle`); with `--restart` its process group is SIGKILLed, as a
+machine that dies, and restarted after the pause with the same run directory (it resumes from its
+checkpoint, behind the run, and re-syncs; "the thaw" is then when it serves again; with `--slow` too, the
+restarted peer is throttled). From the thaw (or the throttle) on, for `--after` outer steps of the run, the bench counts the stalled peer's re-syncs and its
 rounds in a full group (every peer averaging together), and how long it took to its first full round.
 The figures come from the peers' own `/api/status` round history. Run it from two checkouts to compare
 two versions side by side (docs/benchmarks.md has the commands and results).
@@ -15,6 +19,7 @@ two versions side by side (docs/benchmarks.md has the commands and results).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import sys
@@ -36,7 +41,16 @@ def one_run(root: Path, args: argparse.Namespace) -> dict[str, float]:
             s.add_peer()
         s.wait_all_at(3, timeout=180)
         stalled = s.peers[-1]
-        if args.slow:  # a slower machine from here on, rather than one stall
+        if args.restart:  # a machine that dies and comes back: it resumes from its checkpoint, behind
+            assert stalled.popen is not None
+            os.killpg(stalled.popen.pid, signal.SIGKILL)
+            stalled.popen.wait(timeout=10)
+            time.sleep(args.pause)
+            stalled.start()
+            if args.slow:  # ... and is slow: its state download too
+                stalled.throttle(args.slow)
+            s.wait_serving(stalled, timeout=120)
+        elif args.slow:  # a slower machine from here on, rather than one stall
             stalled.throttle(args.slow)
         else:
             stalled.signal(signal.SIGSTOP)
@@ -83,6 +97,10 @@ def main() -> None:
     parser.add_argument(
         "--slow", type=float, default=None, metavar="SHARE",
         help="instead of the pause: run the last peer's trainer only this share of the time from then on",
+    )  # fmt: skip
+    parser.add_argument(
+        "--restart", action="store_true",
+        help="instead of freezing it: SIGKILL the last peer's process group, restart it after the pause",
     )  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 7, ROUND_TICKET at 4, STATE_META at 1,
+"""The concrete wire messages of dilocod (STATUS at version 8, ROUND_TICKET at 4, STATE_META at 1,
 MANIFEST at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
@@ -15,7 +15,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=7,
+    version=8,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -60,6 +60,9 @@ STATUS = Schema(
         Field("training", "bool", optional=True),
         # v7: the run manifest the sender runs with (dilocod/manifest/): peers of other manifests are flagged.
         Field("manifest_hash", "hex", optional=True, min=64, max=64),
+        # v8: a peer downloading the run's state says which round it will train, so the run's clock waits.
+        Field("joining", "int", optional=True, min=0),
+        Field("joining_since", "float", optional=True, min=0),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -91,6 +94,10 @@ on data checked later (the round ticket, the state download's hash), never on th
   reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
 - settings_hash (v6): superseded by manifest_hash; still accepted from v6 senders.
 - manifest_hash (v7): sha256 of the run manifest the sender runs with (see MANIFEST).
+- joining / joining_since (v8): set while the sender downloads the run's state (it restarted, or the run
+  closed a round without it): the round it will train with that state, and the unix time the download
+  began. Its round stays open for it (the others train on) until the record no longer says so, at most
+  `averaging.state_timeout` after joining_since (dilocod/rounds/clock.py).
 - round_steps (v5): inner steps the sender took since its θ_global last changed (its place in the
   current round); a peer that just re-synced trains only the rest of the round, so it reaches the
   next matchmaking with the others instead of one re-sync's duration late.

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from dilocod.statesync.checkpoint import TEMP_PREFIX
-from tests.harness import Proc, Swarm, round_hashes, wait_for
+from tests.harness import Proc, Swarm, round_hashes, round_results, wait_for
 
 MATCHMAKING_TIMEOUT = 8.0  # FAST's averaging.matchmaking_timeout
 ALLREDUCE_TIMEOUT = 20.0  # FAST's averaging.allreduce_timeout
@@ -139,9 +139,12 @@ def check(s: Swarm, report: ChurnReport) -> None:
     # θ_global. (Not "no split at the step we happen to read": matchmaking can still pair peers off in a
     # round right after re-syncs, which the next round heals, as checked above.)
     start = max(st["outer_step"] for st in statuses) + 1
-    final = wait_for(
-        "a round after the kills with every peer in one group", partial(all_met, s, start), 6 * ROUND_LIMIT
-    )
+    try:
+        final = wait_for(
+            "a round after the kills with every peer in one group", partial(all_met, s, start), 6 * ROUND_LIMIT
+        )
+    except AssertionError as e:  # say what each peer's rounds were, for whoever reads a CI log
+        raise AssertionError(f"{e}\n{round_results([p.status() for p in s.peers])}") from None
     # Loopback rounds take about a second: once a peer has had a good round since it (re)started, its
     # deadlines have come down from the configured ceilings.
     settled = [st for st in final if any(e["result"] == "ok" for e in st["rounds"])]

@@ -82,6 +82,8 @@ status_records = st.fixed_dictionaries(
         "settings_hash": st.none() | st.text(alphabet="0123456789abcdef", min_size=16, max_size=16),
         "training": st.none() | st.booleans(),
         "manifest_hash": st.none() | sha256,
+        "joining": st.none() | steps,
+        "joining_since": st.none() | nonneg,
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -184,6 +186,8 @@ def example(schema: Schema) -> dict[str, Any]:
             "settings_hash": "0123456789abcdef",
             "training": True,
             "manifest_hash": "cd" * 32,
+            "joining": 4,
+            "joining_since": 1_699_999_995.0,
         }
     if schema is ROUND_TICKET:
         return {
@@ -558,7 +562,7 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 7, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 8, 4096)
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 4, 4096)
     assert ROUND_TICKET.min_version == 4 and STATUS.min_version == 1
     assert (MANIFEST.name, MANIFEST.version, MANIFEST.max_bytes) == ("dilocod.manifest", 1, 16384)
@@ -577,7 +581,8 @@ def test_older_version_accepted_when_schema_grows() -> None:
 V6 = ("round", "round_tokens", "round_opened", "reference_tokens", "tokens_trained", "tokens_contributed",
       "contributing", "settings_hash", "training")  # fmt: skip
 V7 = ("manifest_hash",)
-V6_ON = (*V6, *V7)
+V8 = ("joining", "joining_since")
+V6_ON = (*V6, *V7, *V8)
 V5_ON = ("round_steps", *V6_ON)
 
 
@@ -621,11 +626,22 @@ def test_status_v5_records_still_decode() -> None:
 
 def test_status_v6_records_still_decode() -> None:
     """v7 added manifest_hash (optional): a v6 sender's record reads back with it as None."""
-    record = {k: v for k, v in example(STATUS).items() if k not in V7}
+    record = {k: v for k, v in example(STATUS).items() if k not in (*V7, *V8)}
     decoded = decode(STATUS, raw_pack(STATUS, record, version=6))
     assert decoded["manifest_hash"] is None and decoded["settings_hash"] == record["settings_hash"]
     with pytest.raises(ProtoError, match="manifest_hash"):
         decode(STATUS, raw_pack(STATUS, {**example(STATUS), "manifest_hash": "ab" * 16}))
+
+
+def test_status_v7_records_still_decode() -> None:
+    """v8 added joining and joining_since (optional): a v7 sender's record reads back with them as None."""
+    record = {k: v for k, v in example(STATUS).items() if k not in V8}
+    decoded = decode(STATUS, raw_pack(STATUS, record, version=7))
+    assert decoded["joining"] is None and decoded["joining_since"] is None
+    assert decoded["manifest_hash"] == record["manifest_hash"]
+    for field, bad in (("joining", -1), ("joining", 1.5), ("joining_since", -3.0), ("joining_since", "now")):
+        with pytest.raises(ProtoError, match=field):
+            decode(STATUS, raw_pack(STATUS, {**example(STATUS), field: bad}))
 
 
 @pytest.mark.parametrize(

@@ -126,3 +126,49 @@ def test_trainers_still_showing_the_round_before_count_towards_the_size_not_the_
     close = estimate_close(trainers, AUTO, 100.0, 90.0, arriving)
     assert (close.target, close.expected, close.rate, close.trainers) == (3000, 1000, 300, 3)
     assert close.at == 100.0 + 2000 / 300
+
+
+JOINING = ClockSettings(
+    target_tokens=0, reference_tokens=1000, max_seconds=600.0, stale_after=10.0, join_wait=20.0
+)
+
+
+def joiner(peer: str = "j", round_index: int = 3, since: float = 95.0, time: float = 99.0) -> clock.Joiner:
+    return clock.Joiner(peer, round_index, since, time)
+
+
+def test_a_round_stays_open_for_a_peer_downloading_the_state_to_join_it() -> None:
+    # The tokens say 105; a peer began downloading at 95 to join: the others train on until it has the
+    # state (its record stops saying so), at most join_wait after the download began.
+    trainers = [p("a", 500, 100), p("b", 500, 100), p("c", 500, 100)]
+    held = estimate_close(trainers, JOINING, 100.0, 90.0, joiners=[joiner()])
+    assert held.at == 115.0 and held.by == "joining"
+    assert estimate_close(trainers, JOINING, 100.0, 90.0).at == 105.0  # arrived: back to the tokens
+    # The latest of several joiners holds it; one whose download began long ago no longer does.
+    later = estimate_close(trainers, JOINING, 100.0, 90.0, joiners=[joiner("j"), joiner("k", since=99.0)])
+    assert later.at == 119.0
+    assert estimate_close(trainers, JOINING, 100.0, 90.0, joiners=[joiner(since=80.0)]).by == "tokens"
+    # max_seconds still bounds the round.
+    short = ClockSettings(0, 1000, max_seconds=20.0, stale_after=10.0, join_wait=20.0)
+    assert estimate_close(trainers, short, 100.0, 90.0, joiners=[joiner()]).at == 110.0
+
+
+def test_a_held_round_re_reads_the_records_often() -> None:
+    trainers = [p("a", 500, 100)]
+    held = estimate_close(trainers, JOINING, 100.0, 90.0, joiners=[joiner()])
+    assert clock.refresh_interval(held, 100.0, 5.0) == clock.UNMEASURED_REFRESH
+
+
+def test_joiners_come_from_fresh_records_that_name_the_round() -> None:
+    record: dict[str, Any] = {"role": "peer", "peer_id": "j", "round": 1, "round_tokens": 0, "time": 99.0,
+                              "tokens_per_second": 50.0, "joining": 3, "joining_since": 120.0}  # fmt: skip
+    found = clock.joiner_from_record(record)
+    # A download cannot have begun after the record saying so: a `since` in the future reads as its time.
+    assert found == clock.Joiner("j", 3, 99.0, 99.0)
+    assert clock.progress_from_record(record) is None  # in no round (not even as arriving) meanwhile
+    assert clock.joiner_from_record({**record, "joining": None}) is None
+    assert clock.joiner_from_record({**record, "role": "helper"}) is None
+    assert clock.progress_from_record({**record, "joining": None}) is not None
+    js = [joiner("j", time=99.0), joiner("j", since=96.0, time=99.5), joiner("k", round_index=4),
+          joiner("s", time=80.0)]  # fmt: skip
+    assert clock.joining(js, 3, 100.0, 10.0) == [joiner("j", since=96.0, time=99.5)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -80,11 +80,18 @@ class FakeAveraging:
 class FakeSync:
     def __init__(self, outer: OuterOptimizer, results: deque[int]) -> None:
         self.outer, self.results, self.shared = outer, results, 0
+        self.state: PeerState | None = None  # to read our record while the download runs
+        self.announced: list[dict[str, Any]] = []
 
-    async def catch_up(self, min_step: int) -> SyncResult:
+    async def catch_up(
+        self, min_step: int, announce: Callable[[int], Awaitable[None]] | None = None
+    ) -> SyncResult:
         start = self.outer.step
         if not self.results:
             return SyncResult(False, start, start)
+        if announce is not None:
+            await announce(self.results[0])
+            self.announced.append(self.state.record() if self.state is not None else {})
         step = self.results.popleft()
         self.outer.load_state(step, [*self.outer.params, *self.outer.momentum])
         return SyncResult(True, step, start, kept_progress=True, donor="donor")
@@ -158,6 +165,7 @@ class Rig:
         self.training = FakeTraining(self.trainer, self.ledger, self.state)
         self.averaging = FakeAveraging(deque(script or []))
         self.sync = FakeSync(self.outer, deque(syncs or []))
+        self.sync.state = self.state
         self.view, self.publisher = FakeView(), FakePublisher()
         parts = Parts(self.training, self.averaging, self.sync, self.view, self.publisher)
         clock = ClockSettings(target_tokens=500, reference_tokens=500, max_seconds=30, stale_after=10)
@@ -202,6 +210,23 @@ def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens()
     rig.run_until(lambda: rig.outer.step >= 8)
     assert rig.results()[:2] == ["resynced", "ok"], rig.results()
     assert rig.outer.step >= 8 and rig.ledger.trained > 0
+
+
+@pytest.mark.parametrize("overlap, joining", [("none", 7), ("delayed", None)])
+def test_a_re_syncing_peer_says_which_round_it_is_joining_until_it_has_the_state(
+    overlap: str, joining: int | None
+) -> None:
+    """While the state downloads, our record names the round we will train with it (the run's clock holds
+    that round open for us). With overlap it says nothing: the group it must meet forms when that state
+    appears, whatever the clock does."""
+    rig = Rig(overlap=overlap, script=[ok] * 3, syncs=[7])
+    rig.view.others = [peer_record(7)]
+    rig.run_until(lambda: rig.outer.step >= 8)
+    during = rig.sync.announced[0]
+    assert during["joining"] == joining
+    if joining is not None:
+        assert during["joining_since"] <= during["time"] and rig.publisher.published >= 1
+    assert rig.state.record()["joining"] is None and rig.state.record()["joining_since"] is None
 
 
 def test_a_failed_re_sync_trains_a_whole_round_before_trying_again() -> None:

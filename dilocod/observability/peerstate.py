@@ -46,6 +46,8 @@ class PeerState:
     round_tokens: int = 0  # tokens trained in that round (the run's clock counts them)
     round_opened: float = 0.0  # unix time the round opened
     round_closes_at: float | None = None  # unix time the run's clock closes it (estimate)
+    joining: int | None = None  # while we download the run's state: the round we will train with it
+    joining_since: float | None = None  # ... and when that download began
     reference_tokens: int = 0  # tokens of H inner steps of our one-device config
     tokens_trained: int = 0
     tokens_contributed: float = 0.0  # of those, reached θ_global
@@ -188,6 +190,8 @@ class PeerState:
             "contributing": self.contributing,
             "manifest_hash": self.manifest_hash,
             "training": self.stretch_since is not None,
+            "joining": self.joining,
+            "joining_since": self.joining_since,
         }
 
     @property

@@ -174,6 +174,7 @@ class PeerDaemon:
             reference_tokens=reference // fragments,
             max_seconds=cfg.round.max_seconds / fragments,
             stale_after=max(3 * cfg.net.status_interval, 3.0),
+            join_wait=cfg.averaging.state_timeout,
         )
         driver = RoundDriver(
             cfg, self.state, self.metrics, outer, pipeline, resumed.tokens, self.bans, parts, machine, clock,

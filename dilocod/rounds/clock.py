@@ -15,6 +15,12 @@ average speed then takes H inner steps a round, whatever the others do. Every pe
 the group meets at once: a faster peer takes more inner steps that round, a slower one fewer, and both
 are weighted by their tokens (`peers/membership.py`).
 
+A peer that downloads the run's state to join a round (it restarted, or the run closed a round without
+it) says so in its record (`joining`: the round it will train, `joining_since`). The round then stays open
+for it — the others train on — until it has the state, at most `join_wait` (a state download's timeout)
+after it began: once in step it stays in step, whereas a run that closed without it would send it to
+download again, and a download longer than a round would keep it out for good.
+
 Pure functions of numbers: the driver feeds them records and our own live counters. A record older than
 `stale_after` is left out (its peer stopped publishing: frozen, dead or cut off).
 """
@@ -65,6 +71,7 @@ class ClockSettings:
     reference_tokens: int  # ours: tokens of H inner steps of a one-device peer
     max_seconds: float  # round.max_seconds: the latest a round closes after it opened
     stale_after: float  # a record older than this is left out (seconds)
+    join_wait: float = 0.0  # longest a round stays open for a peer downloading the state to join it
 
     def target(self, trainers: list[Progress]) -> int:
         """Tokens the run trains per round with these live trainers: `round.tokens`, or the median of their
@@ -86,13 +93,25 @@ class Close:
     expected: float  # the run's tokens in this round now
     rate: float  # the run's tokens per second
     trainers: int
-    by: str  # "tokens" (the target is reached at `at`) or "max_seconds"
+    by: str  # "tokens" (the target is reached at `at`), "joining" (held for a joiner) or "max_seconds"
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A trainer downloading the run's state to train `round` (its record's `joining`) since `since`."""
+
+    peer_id: str
+    round: int
+    since: float  # unix time its download began
+    time: float  # unix time of its record
 
 
 def progress_from_record(record: Mapping[str, Any]) -> Progress | None:
     """A trainer's progress from its (decoded) status record; None for records without a round (older
     peers, auxiliary reducers)."""
     if record.get("role") != "peer" or record.get("round") is None or record.get("round_tokens") is None:
+        return None
+    if record.get("joining") is not None:  # downloading the state: in no round until it has it
         return None
     return Progress(
         peer_id=str(record["peer_id"]),
@@ -104,6 +123,26 @@ def progress_from_record(record: Mapping[str, Any]) -> Progress | None:
         reference_tokens=record.get("reference_tokens"),
         training=record.get("training") is not False,
     )
+
+
+def joiner_from_record(record: Mapping[str, Any]) -> Joiner | None:
+    """A trainer's download to join a round, from its status record; None when it is not joining."""
+    if record.get("role") != "peer" or record.get("joining") is None:
+        return None
+    time = float(record["time"])
+    since = record.get("joining_since")
+    # A download cannot have begun after the record saying so was made.
+    return Joiner(str(record["peer_id"]), int(record["joining"]), min(time, float(since or time)), time)
+
+
+def joining(joiners: Iterable[Joiner], round_index: int, now: float, stale_after: float) -> list[Joiner]:
+    """The peers joining `round_index`: fresh records only, one per peer."""
+    latest: dict[str, Joiner] = {}
+    for j in joiners:
+        fresh = j.round == round_index and now - j.time <= stale_after
+        if fresh and (j.peer_id not in latest or j.time > latest[j.peer_id].time):
+            latest[j.peer_id] = j
+    return sorted(latest.values(), key=lambda j: j.peer_id)
 
 
 def in_round(
@@ -132,12 +171,14 @@ def estimate_close(
     now: float,
     opened: float,
     arriving: Sequence[Progress] = (),
+    joiners: Sequence[Joiner] = (),
 ) -> Close:
     """When the round of `trainers` (all in the same round, ours included, fresh) closes.
 
     `arriving` are live trainers whose records still show the round before (they are applying it, or
     evaluating, and will publish the new round in a moment): they count towards the round's size and
-    its rate, not yet its tokens (hivemind's tracker likewise counts every peer's throughput)."""
+    its rate, not yet its tokens (hivemind's tracker likewise counts every peer's throughput).
+    `joiners` (fresh, joining this round) hold it open until `join_wait` after each began its download."""
     everyone = [*trainers, *arriving]
     target = settings.target(everyone)
     expected = sum(
@@ -151,7 +192,12 @@ def estimate_close(
         at = now + (target - expected) / rate
     else:
         at = math.inf  # nobody has measured a step yet: only max_seconds bounds the round
-    by = "tokens" if at <= latest else "max_seconds"
+    by = "tokens"
+    held = max((j.since + settings.join_wait for j in joiners), default=-math.inf)
+    if held > at:
+        at, by = held, "joining"
+    if at > latest:
+        by = "max_seconds"
     return Close(min(at, latest), opened, target, expected, rate, len(everyone), by)
 
 
@@ -169,7 +215,8 @@ UNMEASURED_REFRESH = 0.25  # seconds between reads while nobody's throughput is 
 def refresh_interval(close: Close | float, now: float, status_interval: float, floor: float = 0.1) -> float:
     """How soon to read the records again: often near the close, at most every status interval; often too
     while no throughput is known (the first inner step's changes the estimate completely)."""
-    if isinstance(close, Close) and close.rate <= 0:
+    if isinstance(close, Close) and (close.rate <= 0 or close.by == "joining"):
+        # held for a joiner: it may arrive any moment, and then the round closes at once
         return min(status_interval, UNMEASURED_REFRESH)
     left = (close.at if isinstance(close, Close) else close) - now
     if not math.isfinite(left):

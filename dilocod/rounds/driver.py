@@ -171,10 +171,7 @@ class RoundDriver:
         """Tell the others' clocks at once that our tokens grow again: until our record says so, they count
         none of this round's (a record made while we evaluated or averaged says we were not training)."""
         await asyncio.sleep(0)  # the trainer task has marked the stretch of inner steps as begun
-        try:
-            await self.effects.publisher.publish()
-        except Exception as e:  # a DHT hiccup: the periodic record follows within a status interval
-            log.debug("status publish at the round's start failed: %r", e)
+        await self._publish_quietly()
 
     def _should_stop(self) -> bool:
         """Called by the trainer thread before each inner step."""
@@ -298,9 +295,12 @@ class RoundDriver:
     # ---- re-syncing -----------------------------------------------------------------------------------------
     async def _download(self, min_step: int) -> Event:
         self.state.phase = "syncing"
-        download = asyncio.create_task(self.parts.sync.catch_up(min_step))
+        download = asyncio.create_task(self.parts.sync.catch_up(min_step, self._announce_joining))
         stop = asyncio.create_task(self._stopping.wait())
-        await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.state.joining = self.state.joining_since = None
         await cancelled_quietly(stop)  # type: ignore[arg-type]
         if not download.done():  # a state download is ours alone: leave at once
             await cancelled_quietly(download)  # type: ignore[arg-type]
@@ -309,6 +309,7 @@ class RoundDriver:
         facts = await self.facts()
         if not result.adopted:
             self._reopen = (None,)
+            await self._publish_quietly()  # the run's clock stops waiting for us
             return Synced(False, self.outer.step, facts)
         dropped = self.tokens.resynced(result.kept_progress)
         if dropped:
@@ -320,6 +321,24 @@ class RoundDriver:
         self.effects.new_global()
         self._reopen = (await self.timer.run_opened(self.outer.step),)  # we join the run's round under way
         return Synced(True, self.outer.step, facts)
+
+    async def _announce_joining(self, run_step: int) -> None:
+        """Tell the run that we are downloading its θ_global of `run_step` to train round `run_step`: its
+        clock keeps that round open for us (the others train on) until we have it.
+
+        Not with overlap: there the state of step k exists only from the moment the run launches step k's
+        averaging, and that group is what we must meet; holding a training round open cannot help."""
+        if self.machine.overlapped:
+            return
+        if self.state.joining != run_step:
+            self.state.joining, self.state.joining_since = run_step, time.time()
+        await self._publish_quietly()
+
+    async def _publish_quietly(self) -> None:
+        try:
+            await self.parts.publisher.publish()
+        except Exception as e:  # a DHT hiccup: the periodic record follows within a status interval
+            log.debug("status publish failed: %r", e)
 
     # ---- stopping ------------------------------------------------------------------------------------------
     async def _drain(self, grace: float) -> None:

@@ -7,7 +7,7 @@ through `StateSyncing`, reads the run through `RunView` and publishes and checkp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from dilocod.rounds.pipeline import Contribution
@@ -51,7 +51,11 @@ class Averaging(Protocol):
 
 
 class StateSyncing(Protocol):
-    async def catch_up(self, min_step: int) -> SyncResult: ...
+    async def catch_up(
+        self, min_step: int, announce: Callable[[int], Awaitable[None]] | None = None
+    ) -> SyncResult:
+        """Download the run's state at `min_step` or later; `announce(run step)` before each download."""
+        ...
 
     def share(self) -> None:
         """Offer our (new) θ_global and momentum to peers that re-sync."""

@@ -65,22 +65,27 @@ class RoundTimer:
         now = time.time()
         records = await self.view.records()
         round_index = self.state.round
-        others = [
-            p
-            for r in trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
-            if (p := clock.progress_from_record(r))
-        ]
+        ours = trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
+        others = [p for r in ours if (p := clock.progress_from_record(r))]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
         arriving = clock.in_round(others, round_index - 1, now, self.settings.stale_after)
+        joiners = clock.joining(
+            [j for r in ours if (j := clock.joiner_from_record(r))],
+            round_index,
+            now,
+            self.settings.stale_after,
+        )
         own = clock.Progress(
             self.state.peer_id, round_index, self.tokens.round, self.state.tokens_per_second, now,
             self.state.round_opened or now, self.settings.reference_tokens,
         )  # fmt: skip
         opened = clock.round_opened([*live, own], fallback=self.state.round_opened or now)
-        # A trainer whose record still shows the round before is about to join this one: the group waits
-        # for it (at most the matchmaking window) rather than forming without it.
-        self.group_target = len(live) + len(arriving) + 1 + len(await self.view.helpers())
-        close = clock.estimate_close([*live, own], self.settings, now, opened, arriving)
+        # A trainer whose record still shows the round before is about to join this one, and one that is
+        # downloading the state to join it is awaited by the clock: the group waits for both (at most the
+        # matchmaking window) rather than forming without them.
+        expected = len(live) + len(arriving) + len(joiners) + 1
+        self.group_target = expected + len(await self.view.helpers())
+        close = clock.estimate_close([*live, own], self.settings, now, opened, arriving, joiners)
         self.close_at = close.at
         self.state.round_closes_at = close.at
         behind = past_round(
@@ -90,8 +95,8 @@ class RoundTimer:
             self.left_behind = True
             log.debug("round %d: the run is already past it; closing now", round_index)
         log.debug(
-            "round %d clock: %.0f of %d tokens from %d trainers at %.0f tokens/s: closes at %.2f (%s)",
-            round_index, close.expected, close.target, close.trainers, close.rate, close.at, close.by,
+            "round %d clock: %.0f of %d tokens from %d trainers at %.0f tokens/s, %d joining: closes at %.2f (%s)",
+            round_index, close.expected, close.target, close.trainers, close.rate, len(joiners), close.at, close.by,
         )  # fmt: skip
         return close
 

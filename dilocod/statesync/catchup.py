@@ -43,6 +43,7 @@ T = TypeVar("T")
 InTrainer = Callable[[Callable[[], T]], Awaitable[T]]
 Records = Callable[[], Awaitable[list[dict[str, Any]]]]
 Punish = Callable[[list[tuple[str, str]]], Awaitable[None]]
+Announce = Callable[[int], Awaitable[None]]
 Snapshot = tuple[bytes, list[torch.Tensor]]
 
 
@@ -103,24 +104,29 @@ class StateSync:
         return self.snapshot
 
     # ---- catching up ---------------------------------------------------------------------------------
-    async def catch_up(self, min_step: int) -> SyncResult:
-        """Download θ_global from a peer at `min_step` or later (our own step when we diverged)."""
+    async def catch_up(self, min_step: int, announce: Announce | None = None) -> SyncResult:
+        """Download θ_global from a peer at `min_step` or later (our own step when we diverged).
+
+        `announce(step)` is awaited before each download with the run's outer step (the state we expect),
+        so that the run's clock can wait for us (`joining` in our record)."""
         start = self.outer.step
         result = SyncResult(False, start, start)
         # Short rounds can end while a state downloads: go again while the records show the run ahead.
         for attempt in range(CATCH_UP_PASSES):
             wanted = min_step if attempt == 0 else self.outer.step + 1
-            once = await self._catch_up_once(wanted)
+            once = await self._catch_up_once(wanted, announce)
             if once is None:
                 break
             result = SyncResult(True, self.outer.step, start, result.kept_progress or once[0], once[1])
         return result
 
-    async def _catch_up_once(self, min_step: int) -> tuple[bool, str] | None:
+    async def _catch_up_once(self, min_step: int, announce: Announce | None) -> tuple[bool, str] | None:
         """One download at `min_step` or later; (progress kept, donor) when adopted."""
         best = max((r["outer_step"] for r in await self.others()), default=-1)
         if best < min_step:  # nobody has what we need (with force, min_step is our own step)
             return None
+        if announce is not None:
+            await announce(best)
         tried: list[str] = self._banned()
         for _ in range(DOWNLOAD_ATTEMPTS):
             # The run moves on while a state downloads; the records read meanwhile say what θ the peers
