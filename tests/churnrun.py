@@ -141,7 +141,9 @@ def check(s: Swarm, report: ChurnReport) -> None:
     start = max(st["outer_step"] for st in statuses) + 1
     try:
         final = wait_for(
-            "a round after the kills with every peer in one group", partial(all_met, s, start), 6 * ROUND_LIMIT
+            "a round after the kills with every peer in one group",
+            partial(all_met, s, start),
+            6 * ROUND_LIMIT,
         )
     except AssertionError as e:  # say what each peer's rounds were, for whoever reads a CI log
         raise AssertionError(f"{e}\n{round_results([p.status() for p in s.peers])}") from None
