@@ -170,5 +170,10 @@ def test_joiners_come_from_fresh_records_that_name_the_round() -> None:
     assert clock.joiner_from_record({**record, "role": "helper"}) is None
     assert clock.progress_from_record({**record, "joining": None}) is not None
     js = [joiner("j", time=99.0), joiner("j", since=96.0, time=99.5), joiner("k", round_index=4),
-          joiner("s", time=80.0)]  # fmt: skip
-    assert clock.joining(js, 3, 100.0, 10.0) == [joiner("j", since=96.0, time=99.5)]
+          joiner("s", time=80.0), joiner("b", round_index=2), joiner("o", round_index=1)]  # fmt: skip
+    # One per peer (its latest record); a joiner that named the round before is on its way to ours; one
+    # that names a later round, or two before, or whose record went stale, is not.
+    assert clock.joining(js, 3, 100.0, 10.0) == [
+        joiner("b", round_index=2),
+        joiner("j", since=96.0, time=99.5),
+    ]

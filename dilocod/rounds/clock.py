@@ -136,10 +136,12 @@ def joiner_from_record(record: Mapping[str, Any]) -> Joiner | None:
 
 
 def joining(joiners: Iterable[Joiner], round_index: int, now: float, stale_after: float) -> list[Joiner]:
-    """The peers joining `round_index`: fresh records only, one per peer."""
+    """The peers joining `round_index`: fresh records only, one per peer. A joiner that named the round
+    before counts too: it read the run's step just before the run moved on, and a donor serves its newest
+    state, so it arrives with ours (or, if it got the older one, downloads again and names ours)."""
     latest: dict[str, Joiner] = {}
     for j in joiners:
-        fresh = j.round == round_index and now - j.time <= stale_after
+        fresh = j.round in (round_index - 1, round_index) and now - j.time <= stale_after
         if fresh and (j.peer_id not in latest or j.time > latest[j.peer_id].time):
             latest[j.peer_id] = j
     return sorted(latest.values(), key=lambda j: j.peer_id)
