@@ -80,3 +80,15 @@ def tree_figures(pid: int) -> dict[str, float]:
         "children": len(pids) - 1,
         "cpu_seconds": cpu_seconds(pids),
     }
+
+
+def tree_parts(pid: int) -> dict[str, float]:
+    """Each process of the tree's memory (MB, PSS), keyed `pid:name`, to tell which one grows."""
+    parts: dict[str, float] = {}
+    for p in tree(pid):
+        try:
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+            parts[f"{p}:{name}"] = round(pss_kb(p) / 1024, 1)
+        except OSError:  # gone meanwhile
+            continue
+    return parts

@@ -13,7 +13,7 @@ and for each process, growth per hour of each figure between the first sample af
 and the last (a least-squares slope over those samples, so one noisy sample does not decide it). With
 `--json` it prints one object: `rounds_total`, `rounds_ok`, `rounds_failed`, `rounds_incomplete`,
 `rounds_by_result`, `processes` (name → first/last/growth per hour of `rss_mb`, `fds`, `threads`,
-`children`, `dht_records`) and `samples`.
+`children`, `dht_records`) and `samples` (each with every process's own memory, `parts`: `pid:name` → MB).
 """
 
 from __future__ import annotations
@@ -30,18 +30,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procstats import tree_figures  # noqa: E402
+from procstats import tree_figures, tree_parts  # noqa: E402
 
 from tests.harness import FAST, Proc, Swarm, start_swarm  # noqa: E402
 
 FIGURES = ("rss_mb", "fds", "threads", "children", "dht_records")
 
 
-def sample(proc: Proc) -> dict[str, float | None]:
-    """One process tree's figures now (None for the DHT's records if its API did not answer)."""
+def sample(proc: Proc) -> dict[str, Any]:
+    """One process tree's figures now (None for the DHT's records if its API did not answer), and each of
+    its processes' memory (`parts`), so that a tree that grows says which process does."""
     assert proc.popen is not None
-    figures: dict[str, float | None] = dict(tree_figures(proc.popen.pid))
+    figures: dict[str, Any] = dict(tree_figures(proc.popen.pid))
     figures.pop("cpu_seconds")
+    figures["parts"] = tree_parts(proc.popen.pid)
     try:
         figures["dht_records"] = proc.status().get("dht_records")
     except Exception:
