@@ -19,13 +19,14 @@ from honest noise; robust reduction alone has to bound them. Every mode against 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.attackrun import ATTACK, common_step, eval_at, evaluated, mean_eval, start_run
-from tests.harness import Swarm, wait_for
+from tests.harness import Swarm, round_results, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -77,6 +78,12 @@ LOUD = ["sign_flip", "random_direction", "scale", "nan", "bad_reducer"]
 STEALTHY = ["stale", "alie"]
 
 
+def banned_by(s: Swarm, attacker: str) -> list[dict[str, Any]] | None:
+    """The honest peers' statuses once one of them bans the attacker (peer-0); None before."""
+    honest = [p.status() for p in s.peers[1:]]
+    return honest if any(attacker in h["banned"] for h in honest) else None
+
+
 @pytest.mark.parametrize("mode", LOUD + STEALTHY)
 def test_centered_clip_keeps_honest_loss_within_clean_noise(
     mode: str, cleans: list[list[dict[str, Any]]], tmp_path: Path
@@ -88,8 +95,13 @@ def test_centered_clip_keeps_honest_loss_within_clean_noise(
         assert loss <= NOISE * reference, f"{mode} at step {step}: honest {loss:.4f} vs clean {reference:.4f}"
         if mode in LOUD:  # loud attacks are caught: refused and banned by an honest peer
             attacker = s.peers[0].status()["peer_id"]
-            honest = [p.status() for p in s.peers[1:]]
-            assert any(attacker in h["banned"] for h in honest), [h["banned"] for h in honest]
+            # An attacker is caught in the first round it completes with honest peers. That may be after
+            # the steps compared above: on 2 cores its one round with them can fail in transport (a slow
+            # sender, seen in a full suite) and leave it re-syncing for a few rounds. The run goes on.
+            try:
+                honest = wait_for("an honest peer to ban the attacker", partial(banned_by, s, attacker), 120)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{round_results([p.status() for p in s.peers])}") from None
             assert sum(h["rejected_contributions"] for h in honest) >= 1
     finally:
         s.close()

@@ -103,8 +103,12 @@ class FakeSync:
 class FakeView:
     def __init__(self) -> None:
         self.others: list[dict[str, Any]] = []
+        self.state: PeerState | None = None  # set: every read also takes our record, as a heartbeat would
+        self.ours: list[dict[str, Any]] = []
 
     async def records(self) -> list[dict[str, Any]]:
+        if self.state is not None:
+            self.ours.append(self.state.record())
         return list(self.others)
 
     async def helpers(self) -> list[dict[str, Any]]:
@@ -227,6 +231,22 @@ def test_a_re_syncing_peer_says_which_round_it_is_joining_until_it_has_the_state
     if joining is not None:
         assert during["joining_since"] <= during["time"] and rig.publisher.published >= 1
     assert rig.state.record()["joining"] is None and rig.state.record()["joining_since"] is None
+
+
+def test_our_record_is_never_between_joining_and_in_the_round() -> None:
+    """A heartbeat may publish our record at any moment: from the download's start until we train the
+    run's round, it must say either `joining` or the new round, never the old round alone (the run's
+    clock would stop waiting for us, and count us in no round)."""
+    rig = Rig(script=[ok] * 3, syncs=[7])
+    rig.view.others = [peer_record(7)]
+    rig.view.state = rig.state
+    rig.run_until(lambda: rig.outer.step >= 8)
+    began = next(i for i, r in enumerate(rig.view.ours) if r["joining"] is not None)
+    after = rig.view.ours[began:]
+    assert all(r["joining"] == 7 or r["round"] >= 7 for r in after), [
+        (r["joining"], r["round"]) for r in after
+    ]
+    assert any(r["joining"] is None for r in after)  # and it did arrive
 
 
 def test_a_failed_re_sync_trains_a_whole_round_before_trying_again() -> None:

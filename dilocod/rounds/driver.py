@@ -109,7 +109,11 @@ class RoundDriver:
         event: Event = Begin()
         while True:
             mstate, actions = transition(mstate, event, self.machine)
+            # Our record names our round from here on, not a round we are joining (set only while a
+            # state downloads). Both change together: a heartbeat between them would show neither, and
+            # the run would stop waiting for us before we are in its round.
             self.state.round = mstate.round
+            self.state.joining = self.state.joining_since = None
             if self._reopen is not None:  # a new round opens for us: its number and its clock change together
                 self.effects.open_round(self._reopen[0])
                 self._reopen = None
@@ -297,10 +301,7 @@ class RoundDriver:
         self.state.phase = "syncing"
         download = asyncio.create_task(self.parts.sync.catch_up(min_step, self._announce_joining))
         stop = asyncio.create_task(self._stopping.wait())
-        try:
-            await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self.state.joining = self.state.joining_since = None
+        await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
         await cancelled_quietly(stop)  # type: ignore[arg-type]
         if not download.done():  # a state download is ours alone: leave at once
             await cancelled_quietly(download)  # type: ignore[arg-type]
@@ -309,6 +310,7 @@ class RoundDriver:
         facts = await self.facts()
         if not result.adopted:
             self._reopen = (None,)
+            self.state.joining = self.state.joining_since = None
             await self._publish_quietly()  # the run's clock stops waiting for us
             return Synced(False, self.outer.step, facts)
         dropped = self.tokens.resynced(result.kept_progress)
