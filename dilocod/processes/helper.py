@@ -189,7 +189,6 @@ def next_round(
     """The round most live trainers train, when it opened (None: none of them says), when it closes,
     and how many train it."""
     progress = [p for r in records if (p := clock.progress_from_record(r)) is not None]
-    joiners = [j for r in records if (j := clock.joiner_from_record(r)) is not None]
     fresh = [p for p in progress if now - p.time <= settings.stale_after]
     vote = plurality(-p.round for p in fresh)  # negated: a tie goes to the later round (the others catch up)
     if vote is None:
@@ -199,6 +198,6 @@ def next_round(
     arriving = clock.in_round(fresh, round_index - 1, now, settings.stale_after)
     said = [p.opened for p in trainers if p.opened is not None]
     opened = clock.round_opened(trainers, fallback=now)
-    joining = clock.joining(joiners, round_index, now, settings.stale_after)
+    joining = clock.joining_records(records, round_index, now, settings.stale_after)
     close = clock.estimate_close(trainers, settings, now, opened, arriving, joining)
     return round_index, opened if said else None, close, len(trainers) + len(arriving)

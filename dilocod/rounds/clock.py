@@ -147,6 +147,14 @@ def joining(joiners: Iterable[Joiner], round_index: int, now: float, stale_after
     return sorted(latest.values(), key=lambda j: j.peer_id)
 
 
+def joining_records(
+    records: Iterable[Mapping[str, Any]], round_index: int, now: float, stale_after: float
+) -> list[Joiner]:
+    """The peers whose (decoded) records say they are downloading the state to join `round_index`."""
+    found = [j for r in records if (j := joiner_from_record(r)) is not None]
+    return joining(found, round_index, now, stale_after)
+
+
 def in_round(
     progress: Iterable[Progress], round_index: int, now: float, stale_after: float
 ) -> list[Progress]:

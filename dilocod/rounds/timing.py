@@ -69,12 +69,7 @@ class RoundTimer:
         others = [p for r in ours if (p := clock.progress_from_record(r))]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
         arriving = clock.in_round(others, round_index - 1, now, self.settings.stale_after)
-        joiners = clock.joining(
-            [j for r in ours if (j := clock.joiner_from_record(r))],
-            round_index,
-            now,
-            self.settings.stale_after,
-        )
+        joiners = clock.joining_records(ours, round_index, now, self.settings.stale_after)
         own = clock.Progress(
             self.state.peer_id, round_index, self.tokens.round, self.state.tokens_per_second, now,
             self.state.round_opened or now, self.settings.reference_tokens,
