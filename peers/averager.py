@@ -36,6 +36,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from peers.allreduce import ExactAllReduceRunner
 from peers.auth import RunAuth
+from peers.deadlines import allreduce_cancelled_reason
 from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.partreduce import PartCheck, PartReduce
@@ -298,6 +299,9 @@ class RunAverager(StateDonors):
             )
         except AllreduceException:
             raise
+        except asyncio.CancelledError as e:
+            reason = allreduce_cancelled_reason(time.monotonic() - started, self._allreduce_timeout)
+            raise AllreduceException(reason) from e
         except BaseException as e:
             raise AllreduceException(f"all-reduce failed: {e!r}") from e
 

@@ -62,3 +62,15 @@ def _deadline(recent: deque[float], factor: float, floor: float, ceiling: float,
     if not adaptive or not recent:
         return ceiling
     return min(ceiling, max(floor, factor * max(recent)))
+
+
+def allreduce_cancelled_reason(elapsed: float, deadline: float | None) -> str:
+    """Why an all-reduce task was cancelled, for the round's failure reason: hivemind cancels it when the
+    all-reduce deadline passes (and the daemon when it stops), and a bare `CancelledError()` told a user
+    neither which nor how long the round had."""
+    if deadline is not None and elapsed >= 0.95 * deadline:
+        return (
+            f"all-reduce timed out after {elapsed:.1f} s (deadline {deadline:.1f} s): "
+            "a member or reducer was too slow this round"
+        )
+    return f"all-reduce cancelled after {elapsed:.1f} s (the round was stopped)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dilocod.config import ConfigError, load_config
-from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
+from peers.deadlines import AdaptiveDeadlines, DeadlineBounds, allreduce_cancelled_reason
 
 BOUNDS = DeadlineBounds(
     matchmaking_ceiling=15.0, matchmaking_floor=5.0, allreduce_ceiling=60.0, allreduce_floor=5.0, factor=3.0
@@ -66,3 +66,18 @@ def test_bad_bounds_are_refused() -> None:
 def test_config_rejects_bad_deadline_settings(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "deadline", "says"),
+    [
+        (5.02, 5.0, "all-reduce timed out after 5.0 s (deadline 5.0 s)"),
+        (4.9, 5.0, "timed out"),  # the deadline's timer and ours start a moment apart
+        (1.2, 5.0, "all-reduce cancelled after 1.2 s (the round was stopped)"),
+        (30.0, None, "cancelled after 30.0 s"),
+    ],
+)
+def test_a_cancelled_allreduce_says_whether_its_deadline_passed(
+    elapsed: float, deadline: float | None, says: str
+) -> None:
+    assert says in allreduce_cancelled_reason(elapsed, deadline)
