@@ -146,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_status(
             args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
         )
+    from dilocod.processes.memory import cap_malloc_arenas
+
+    cap_malloc_arenas()  # before torch and hivemind start their threads: they take arenas as they go
     from dilocod.config import ConfigError
     from dilocod.manifest.record import ManifestError
     from dilocod.statesync.checkpoint import CheckpointError
