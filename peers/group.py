@@ -13,6 +13,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from peers.averager import RunAverager
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.errors import PeersError
+from peers.forking import freeze_before_fork
 from peers.grouping import chunk_timeout, round_group_bits
 from peers.node import Node, stop_child
 from peers.partreduce import PartCheck, PartReduce
@@ -124,6 +125,7 @@ class GroupAverager:
         opts = self.options
         if opts.mode not in ("node", "client", "aux"):
             raise PeersError(f"unknown averaging mode '{opts.mode}'")
+        freeze_before_fork()
         self._averager = RunAverager(
             self._buffers,
             self.node.started,

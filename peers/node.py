@@ -28,6 +28,7 @@ from peers import reachability, runinfo
 from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
+from peers.forking import freeze_before_fork
 
 log = logging.getLogger("peers.node")
 
@@ -141,6 +142,7 @@ class Node:
             kwargs["force_reachability"] = opts.reachability
         if opts.trusted_relays:
             kwargs["trusted_relays"] = list(opts.trusted_relays)
+        freeze_before_fork()
         dht = RunDHT(**kwargs)
         self.dht = dht
         try:
