@@ -4,7 +4,7 @@ hivemind forks its DHT and averager processes from the daemon. A forked child sh
 until either writes them, and CPython's cyclic garbage collector writes into every object it visits (the
 collector's links live in each object's header): the first full collection in a child, minutes into a
 run, copied the pages of every object the daemon had made before the fork (torch, hivemind and ours), and
-a peer's memory stepped up ~70 MB once (docs/benchmarks.md, "Soak"). Frozen objects are never visited.
+a peer's memory (PSS) stepped up 80-100 MB once (docs/benchmarks.md, "Soak"). Frozen objects are never visited.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """How the daemon's processes use the C heap: a bounded number of glibc malloc arenas.
 
 glibc gives each thread that allocates its own arena, up to 8 per core. A daemon runs dozens of threads
-(torch's, asyncio's executors, hivemind's averager and DHT processes) that
-allocate and free buffers of every size every round, and each arena keeps its own free pages: in a
-40-minute soak a peer daemon's arenas held 82-107 MB resident, swinging by up to 20 MB from one sample to
-the next; with two arenas the same daemon held 0.6 MB there and its whole RSS stayed within 6 MB of its
-start (docs/benchmarks.md, "Soak").
+(torch's, asyncio's executors, hivemind's) that allocate and free buffers of every size every round, and
+each arena keeps its own free pages: in a 40-minute soak a peer daemon's arenas held 82-107 MB resident,
+swinging by up to 20 MB from one sample to the next; with two arenas the same daemon held 0.6 MB there
+and its whole RSS stayed within 6 MB from its second sample on (docs/benchmarks.md, "Soak").
 """
 
 from __future__ import annotations
