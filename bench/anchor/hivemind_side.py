@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .settings import REPO, Race
+from tests.harness import spawn_local
+
+from .settings import Race
 
 START_TIMEOUT = 300.0  # seconds for every worker to build its trainer and join the DHT (2 cores, busy)
 
@@ -29,14 +31,7 @@ class Processes:
 
     def start(self, name: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with log.open("ab") as out:
-            popen = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+            popen = spawn_local(argv, out)  # the harness's: its own session, unbuffered, in the repo
         self.procs.append((name, popen, log))
         return popen
 
