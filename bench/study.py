@@ -151,8 +151,7 @@ def pending(out: Path, every: Sequence[Cell], only: Sequence[str]) -> Iterator[t
 
 
 def run_pending(out: Path, jobs: int, only: Sequence[str], scale: float) -> int:
-    every = {c.name: c for c in cells(scale)}
-    todo = list(pending(out, list(every.values()), only))
+    todo = list(pending(out, cells(scale), only))
     print(f"study: {len(todo)} units to run, {jobs} at a time, results in {out}", file=sys.stderr, flush=True)
 
     def one(unit: tuple[Cell, int]) -> int:

@@ -198,6 +198,7 @@ class Swarm:
     maddr: str = ""
     peers: list[Proc] = field(default_factory=list)
     poll_interval: float = 0.5  # between status polls in the wait_* helpers
+    config: Path = REPO / "configs" / "tiny.toml"  # every process's --config (the bootstrap's too)
 
     # Placement hooks: loopback here; tests/wanrun.py's NetSwarm overrides them for namespaces.
     def _listen_host(self, where: str | None) -> str:
@@ -218,7 +219,7 @@ class Swarm:
             "bootstrap",
             ["bootstrap", "--host", self._listen_host(where), "--port", "0", "--http-host", "127.0.0.1",
              "--http-port", str(port), "--run-id", run_id, "--maddr-file", str(maddr_file),
-             "--config", str(REPO / "configs" / "tiny.toml"), *sets, *extra_args],
+             "--config", str(self.config), *sets, *extra_args],
             self.root / "bootstrap.log",
             port,
             None,
@@ -251,7 +252,7 @@ class Swarm:
             shutil.copyfile(identity, run_dir / "identity.key")
         port = free_port()
         sets = [item for o in ((*self.overrides, *extra) if not bare else extra) for item in ("--set", o)]
-        config = [] if bare else ["--config", str(REPO / "configs" / "tiny.toml")]
+        config = [] if bare else ["--config", str(self.config)]
         initial = [self.maddr] if self.maddr else []
         peer = self._proc(
             f"peer-{index}",
