@@ -13,7 +13,9 @@ and for each process, growth per hour of each figure between the first sample af
 and the last (a least-squares slope over those samples, so one noisy sample does not decide it). With
 `--json` it prints one object: `rounds_total`, `rounds_ok`, `rounds_failed`, `rounds_incomplete`,
 `rounds_by_result`, `processes` (name → first/last/growth per hour of `rss_mb`, `fds`, `threads`,
-`children`, `dht_records`) and `samples` (each with every process's own memory, `parts`: `pid:name` → MB).
+`children`, `dht_records`), `samples` (each with every process's own memory, `parts`: `pid:name` → MB)
+and `events`: every peer-round that was not ok (`peer`, `minute` since the first sample, `outer_step`,
+`result`, `reason`), so that a step in a process's memory can be set against what happened then.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def main() -> int:
         s = start_swarm(Path(root), args.peers, (*FAST, *args.overrides))
         try:
             s.wait_all_at(1, timeout=300)
-            start = time.monotonic()
+            start, start_unix = time.monotonic(), time.time()
             next_sample = start
             while (now := time.monotonic()) < start + 60 * args.minutes:
                 collect_rounds(s, rounds)
@@ -128,13 +130,16 @@ def main() -> int:
         finally:
             s.close()
     print(
-        json.dumps(summary(samples, rounds, 60 * args.warmup)) if args.json else _table(samples, rounds, args)
+        json.dumps(summary(samples, rounds, 60 * args.warmup, start_unix)) if args.json else _table(samples, rounds, args)
     )
     return 0
 
 
 def summary(
-    samples: list[dict[str, Any]], rounds: dict[tuple[str, int, float], dict[str, Any]], warmup_s: float
+    samples: list[dict[str, Any]],
+    rounds: dict[tuple[str, int, float], dict[str, Any]],
+    warmup_s: float,
+    start_unix: float = 0.0,
 ) -> dict[str, Any]:
     by_result = Counter(e["result"] for e in rounds.values())
     incomplete = sum(
@@ -152,7 +157,23 @@ def summary(
         "failure_reasons": dict(Counter(str(e.get("reason")) for e in rounds.values() if e.get("reason"))),
         "processes": {name: growth(samples, name, warmup_s) for name in names},
         "samples": samples,
+        "events": events(rounds, start_unix),
     }
+
+
+def events(rounds: dict[tuple[str, int, float], dict[str, Any]], start_unix: float) -> list[dict[str, Any]]:
+    """The peer-rounds that were not ok, in time order (where the run stumbled, and when)."""
+    return [
+        {
+            "peer": peer,
+            "minute": round((when - start_unix) / 60, 2),
+            "outer_step": step,
+            "result": entry["result"],
+            "reason": entry.get("reason"),
+        }
+        for (peer, step, when), entry in sorted(rounds.items(), key=lambda item: item[0][2])
+        if entry["result"] != "ok"
+    ]
 
 
 def _line(procs: dict[str, dict[str, Any]]) -> str:
