@@ -130,7 +130,9 @@ def main() -> int:
         finally:
             s.close()
     print(
-        json.dumps(summary(samples, rounds, 60 * args.warmup, start_unix)) if args.json else _table(samples, rounds, args)
+        json.dumps(summary(samples, rounds, 60 * args.warmup, start_unix))
+        if args.json
+        else _table(samples, rounds, args)
     )
     return 0
 
