@@ -92,3 +92,25 @@ def tree_parts(pid: int) -> dict[str, float]:
         except OSError:  # gone meanwhile
             continue
     return parts
+
+
+def _mapping_kind(name: str) -> str:
+    """The kind of a mapping in /proc/PID/smaps by its name ('' for an anonymous one)."""
+    if name.startswith("/dev/shm") or "torch_" in name:
+        return "shm"  # tensors torch moved to shared memory to pass them to another process
+    if name == "[heap]":
+        return "heap"
+    return "file" if name.startswith("/") else "anon"
+
+
+def memory_by_kind(pid: int) -> dict[str, float]:
+    """One process's PSS in MB by kind of mapping: heap, anon, shm, file."""
+    found: dict[str, float] = {}
+    current = "anon"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode [name]
+            current = _mapping_kind(fields[5] if len(fields) > 5 else "")
+        elif fields[0] == "Pss:":
+            found[current] = found.get(current, 0.0) + int(fields[1]) / 1024
+    return {k: round(v, 1) for k, v in sorted(found.items())}

@@ -25,40 +25,22 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procstats import memory_by_kind  # noqa: E402
 
 from tests.harness import FAST, Proc, start_swarm  # noqa: E402
 
 IDLE_SECONDS, STALL_SECONDS, SETTLE_SECONDS = 37.0, 12.0, 25.0
 
 
-def kind(mapping: str) -> str:
-    """The kind of a line of /proc/PID/smaps naming a mapping ('' for an anonymous one)."""
-    if mapping.startswith("/dev/shm") or "torch_" in mapping:
-        return "shm"
-    if mapping == "[heap]":
-        return "heap"
-    return "file" if mapping.startswith("/") else "anon"
-
-
-def memory_by_kind(pid: int) -> dict[str, float]:
-    """The process's PSS in MB by kind of mapping."""
-    found: dict[str, float] = {}
-    current = "anon"
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode [name]
-            current = kind(fields[5] if len(fields) > 5 else "")
-        elif fields[0] == "Pss:":
-            found[current] = found.get(current, 0.0) + int(fields[1]) / 1024
-    return {k: round(v, 1) for k, v in sorted(found.items())}
-
-
 def reading(label: str, peers: list[Proc]) -> dict[str, Any]:
     daemons = [memory_by_kind(p.popen.pid) for p in peers if p.popen is not None]
-    resynced = sum(1 for r in peers[0].status()["rounds"] if r["result"] == "resynced")
+    status = peers[0].status()
+    resynced = sum(1 for r in status["rounds"] if r["result"] == "resynced")
     row = {
         "label": label,
-        "outer_step": peers[0].status()["outer_step"],
+        "outer_step": status["outer_step"],
         "peer0_resyncs_in_history": resynced,
         "daemons_mb": [round(sum(d.values()), 1) for d in daemons],
         "by_kind": daemons,

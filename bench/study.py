@@ -15,7 +15,8 @@ seeds both have (a seed fixes the model init, the shards, the batches and the ev
 The cells are issue 16's: dp against DiLoCo M ∈ {2, 4, 8} × H ∈ {10, 50, 200} at 5 M tokens (2 seeds);
 at M = 4, H = 50: outer lr 0.4 and 1.0 (the config's 0.7 is the grid's) and the plain average (lr 1, no
 momentum; at H = 10 too), Muon (against a Muon dp), int8/int4/int2 with error feedback, streaming and
-delayed overlap, replica speeds 1, 1, 1/1.5, 1/3 with token weights; and the headline M = 4 cells at 10 M tokens with 3 seeds.
+delayed overlap, replica speeds 1, 1, 1/1.5, 1/3 with token weights; and the headline M = 4 cells at
+10 M tokens with 3 seeds.
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ def cells(scale: float = 1.0) -> list[Cell]:
     found = [Cell("m4-dp", m4, 4, two, dp=True)]
     found += [Cell(f"m4-h{h}", m4, 4, two, overrides=(f"trainer.inner_steps={h}",)) for h in (10, 50, 200)]
     h50 = ("trainer.inner_steps=50",)
+    average = (
+        "outer.lr=1.0",
+        "outer.momentum=0",
+    )  # the plain average of the replicas (hivemind's local updates)
     found += [
         Cell("m4-h50-lr0.4", m4, 4, two, overrides=(*h50, "outer.lr=0.4")),
         Cell("m4-h50-lr1.0", m4, 4, two, overrides=(*h50, "outer.lr=1.0")),
-        # no outer momentum, lr 1: the plain average of the replicas (what hivemind's local updates do)
-        Cell("m4-h50-avg", m4, 4, two, overrides=(*h50, "outer.lr=1.0", "outer.momentum=0")),
-        Cell(
-            "m4-h10-avg", m4, 4, two, overrides=("trainer.inner_steps=10", "outer.lr=1.0", "outer.momentum=0")
-        ),
+        Cell("m4-h50-avg", m4, 4, two, overrides=(*h50, *average)),
+        Cell("m4-h10-avg", m4, 4, two, overrides=("trainer.inner_steps=10", *average)),
         Cell("m4-h50-int8", m4, 4, two, overrides=(*h50, "averaging.compression=int8")),
         Cell("m4-h50-int4", m4, 4, two, overrides=(*h50, "averaging.compression=int4")),
         Cell("m4-h50-int2", m4, 4, two, overrides=(*h50, "averaging.compression=int2")),
