@@ -1,4 +1,5 @@
-"""What a daemon's process tree costs, from /proc: shared by bench/soak.py and bench/hetero.py.
+"""What a daemon's process tree costs, from /proc: shared by bench/soak.py, bench/hetero.py and
+bench/resync_memory.py.
 
 A daemon's tree is the daemon, hivemind's DHT and averager processes (forks of it) and p2pd. Memory is
 the proportional set size (PSS): a page the forks share with the daemon counts once in the sum, where
