@@ -19,7 +19,9 @@ one side after the other, so they never compete for the cores:
 Per side: inner steps per peer, rounds (hivemind's epochs, dilocod's outer steps), rounds with all peers
 in the group, and the eval loss (the run's eval batches) of the model a peer would publish — hivemind: the
 parameters it holds; dilocod: θ_global — at equal wall time (the end) and at equal tokens (hivemind's
-peers are also evaluated when they pass the dilocod side's mean step count, or `--eval-at-steps`).
+peers are also evaluated when they pass the dilocod side's mean step count, or `--eval-at-steps`; if they
+never do, the comparison is made at hivemind's final step count instead, against θ_global's eval at the
+last outer step dilocod's peers reached within that many steps, from their rounds' records).
 Every process (DHTs, averagers, p2pd) is reaped on exit, Ctrl-C and SIGTERM included.
 """
 
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.anchor.dilocod_side import run_dilocod  # noqa: E402
 from bench.anchor.hivemind_side import run_hivemind  # noqa: E402
-from bench.anchor.report import dilocod_summary, hivemind_summary, table  # noqa: E402
+from bench.anchor.report import dilocod_at_steps, dilocod_summary, hivemind_summary, spread, table  # noqa: E402
 from bench.anchor.settings import REPO, Race, identities, round_samples  # noqa: E402
 
 
@@ -71,6 +73,7 @@ def race_against_anchor(args: argparse.Namespace, race: Race, root: Path) -> dic
         "target_batch_size": target,
     }
     eval_at = args.eval_at_steps
+    statuses: list[dict[str, Any]] = []
     if args.only != "hivemind":  # first: its mean step count is hivemind's equal-tokens point
         statuses, before = run_dilocod(race, paths, root)
         result["dilocod"] = dilocod_summary(statuses, before, race.peers)
@@ -91,7 +94,28 @@ def race_against_anchor(args: argparse.Namespace, race: Race, root: Path) -> dic
         )
         result["hivemind"] = hivemind_summary(results, race.peers)
         result["hivemind"].update(matchmaking_time=matchmaking, averaging_timeout=timeout)
+        if "dilocod" in result and not result["hivemind"]["equal_tokens_reached"]:
+            equal_tokens_the_other_way(result, statuses, cfg.trainer.batch_size * cfg.trainer.seq_len)
     return result
+
+
+def equal_tokens_the_other_way(
+    result: dict[str, Any], statuses: list[dict[str, Any]], step_tokens: int
+) -> None:
+    """hivemind's peers never reached dilocod's step count: compare at hivemind's instead, its end against
+    the θ_global dilocod's peers had when they had trained no more (from their rounds' records)."""
+    hivemind = result["hivemind"]
+    at = dilocod_at_steps(statuses, hivemind["steps_per_peer"], step_tokens)
+    if at is None:
+        return
+    hivemind.update(
+        eval_equal_tokens=hivemind["eval_equal_time"], equal_tokens_steps=hivemind["steps_per_peer"]
+    )
+    result["dilocod"].update(
+        eval_equal_tokens=spread([at["eval_loss"]]),
+        equal_tokens_steps=at["steps"],
+        equal_tokens_outer_step=at["outer_step"],
+    )
 
 
 def main() -> None:

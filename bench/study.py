@@ -12,11 +12,12 @@ finishes, so the study can be stopped and started again at any point and loses a
 flight. Each DiLoCo cell is compared with the dp baseline of its M, inner optimizer and budget on the
 seeds both have (a seed fixes the model init, the shards, the batches and the eval set of both).
 
-The cells are issue 16's: dp against DiLoCo M ∈ {2, 4, 8} × H ∈ {10, 50, 200} at 5 M tokens (2 seeds);
-at M = 4, H = 50: outer lr 0.4 and 1.0 (the config's 0.7 is the grid's) and the plain average (lr 1, no
-momentum; at H = 10 too), Muon (against a Muon dp), int8/int4/int2 with error feedback, streaming and
-delayed overlap, replica speeds 1, 1, 1/1.5, 1/3 with token weights; and the headline M = 4 cells at
-10 M tokens with 3 seeds.
+The cells are issue 16's: dp against DiLoCo M ∈ {2, 4, 8} × H ∈ {10, 50, 200} at 5 M tokens (2 seeds)
+with the default outer step (the plain average: lr 1, no momentum); at M = 4 the same H with DiLoCo's
+published step (`-nag`: lr 0.7, Nesterov momentum 0.9, the default before this study) and, at H = 50,
+its outer lr 0.4 and 1.0; at M = 4, H = 50: Muon (against a Muon dp), int8/int4/int2 with error
+feedback, streaming and delayed overlap, replica speeds 1, 1, 1/1.5, 1/3 with token weights; and the
+headline M = 4 cells at 10 M tokens with 3 seeds.
 """
 
 from __future__ import annotations
@@ -61,17 +62,16 @@ def cells(scale: float = 1.0) -> list[Cell]:
     two, three = (0, 1), (0, 1, 2)
     m4, m10 = round(5_000_000 * scale), round(10_000_000 * scale)
     found = [Cell("m4-dp", m4, 4, two, dp=True)]
+    # the default outer step (configs/tiny.toml: lr 1, no momentum, the replicas' plain average)
     found += [Cell(f"m4-h{h}", m4, 4, two, overrides=(f"trainer.inner_steps={h}",)) for h in (10, 50, 200)]
     h50 = ("trainer.inner_steps=50",)
-    average = (
-        "outer.lr=1.0",
-        "outer.momentum=0",
-    )  # the plain average of the replicas (hivemind's local updates)
+    nag = ("outer.lr=0.7", "outer.momentum=0.9")  # DiLoCo's published step (the default before this study)
     found += [
-        Cell("m4-h50-lr0.4", m4, 4, two, overrides=(*h50, "outer.lr=0.4")),
-        Cell("m4-h50-lr1.0", m4, 4, two, overrides=(*h50, "outer.lr=1.0")),
-        Cell("m4-h50-avg", m4, 4, two, overrides=(*h50, *average)),
-        Cell("m4-h10-avg", m4, 4, two, overrides=("trainer.inner_steps=10", *average)),
+        Cell(f"m4-h{h}-nag", m4, 4, two, overrides=(f"trainer.inner_steps={h}", *nag)) for h in (10, 50, 200)
+    ]
+    found += [
+        Cell("m4-h50-nag-lr0.4", m4, 4, two, overrides=(*h50, "outer.lr=0.4", "outer.momentum=0.9")),
+        Cell("m4-h50-nag-lr1.0", m4, 4, two, overrides=(*h50, "outer.lr=1.0", "outer.momentum=0.9")),
         Cell("m4-h50-int8", m4, 4, two, overrides=(*h50, "averaging.compression=int8")),
         Cell("m4-h50-int4", m4, 4, two, overrides=(*h50, "averaging.compression=int4")),
         Cell("m4-h50-int2", m4, 4, two, overrides=(*h50, "averaging.compression=int2")),

@@ -61,6 +61,33 @@ def dilocod_summary(statuses: list[dict[str, Any]], before: list[int], peers: in
     }
 
 
+def dilocod_at_steps(statuses: list[dict[str, Any]], steps: float, step_tokens: int) -> dict[str, Any] | None:
+    """θ_global's eval loss at the last outer step its peers reached within `steps` inner steps each (on
+    average): dilocod's equal-tokens point when the hivemind side never reached dilocod's step count.
+
+    A peer's steps at outer step s are the tokens of its rounds up to s ÷ the tokens of one inner step;
+    θ_global at s is the same on every peer, so any peer's eval of it will do."""
+    losses: dict[int, float] = {}
+    tokens_at: dict[int, list[int]] = {}
+    for st in statuses:
+        total = 0
+        for e in sorted(st["rounds"], key=lambda e: e["outer_step"]):
+            total += int(e.get("tokens") or 0)
+            if e["result"] == "ok":
+                tokens_at.setdefault(e["outer_step"], []).append(total)
+                if e.get("eval_loss") is not None:
+                    losses[e["outer_step"]] = float(e["eval_loss"])
+    within = [
+        (step, statistics.mean(tokens_at[step]) / step_tokens)
+        for step in sorted(losses)
+        if len(tokens_at[step]) == len(statuses) and statistics.mean(tokens_at[step]) / step_tokens <= steps
+    ]
+    if not within:
+        return None
+    step, at = within[-1]
+    return {"outer_step": step, "steps": round(at), "eval_loss": losses[step]}
+
+
 def _loss(figures: dict[str, Any]) -> str:
     if figures["mean"] is None:
         return "-"

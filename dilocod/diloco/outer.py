@@ -26,8 +26,11 @@ REBASE_MAX_GAP = 4
 class OuterConfig:
     """The `[outer]` section: the outer optimizer (SGD with Nesterov momentum)."""
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    # lr 1 and no momentum: θ_global becomes the replicas' weighted average. In the tiny preset's study
+    # (docs/benchmarks.md, "Convergence") it ended at 1.07–1.13 × data parallel's loss, the published
+    # step (lr 0.7, Nesterov momentum 0.9) at 1.20–1.21 ×; configs/small|124m|1b.toml keep the latter.
+    lr: float = 1.0
+    momentum: float = 0.0
     nesterov: bool = True
     # none: inner steps wait for each round; delayed: a round's all-reduce runs while the next round trains
     # and its outer step lands one round late (see dilocod/rounds.py); streaming: one fragment of the
