@@ -28,6 +28,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from peers.auth import RunAuth
 from peers.membership import warn_once
+from peers.statefetch import forgetful_state_thread
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
 
@@ -51,7 +52,8 @@ class StateDonors(DecentralizedAverager):
         self._key_holders: set[PeerID] = set()  # peers that proved the run key (rpc_present_run_key)
         self._state_provider = state_provider
         self._downloads: set[asyncio.Task[Any]] = set()  # running downloads (see `_download_state`)
-        super().__init__(*args, **kwargs)
+        with forgetful_state_thread():  # keeps no snapshot once served (peers/statefetch.py)
+            super().__init__(*args, **kwargs)
 
     # ---- host side ----------------------------------------------------------------------------------
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], None]:
