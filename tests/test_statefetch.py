@@ -65,14 +65,17 @@ class Donor:
 Fetcher = Callable[[Any, Any, Any], None]
 
 
-def serve_one(fetcher: Fetcher, donor: Donor) -> tuple[FakeFuture, FakePipe, threading.Thread]:
+def start_thread(fetcher: Fetcher, donor: Donor) -> tuple[FakePipe, threading.Thread]:
+    """The host thread as hivemind starts it: the serializer, the pipe, a weak reference to the getter."""
     pipe = FakePipe()
-    thread = threading.Thread(
-        target=fetcher,
-        args=(MSGPackSerializer, pipe, weakref.WeakMethod(donor.get_current_state)),
-        daemon=True,
-    )
+    getter = weakref.WeakMethod(donor.get_current_state)
+    thread = threading.Thread(target=fetcher, args=(MSGPackSerializer, pipe, getter), daemon=True)
     thread.start()
+    return pipe, thread
+
+
+def serve_one(fetcher: Fetcher, donor: Donor) -> tuple[FakeFuture, FakePipe, threading.Thread]:
+    pipe, thread = start_thread(fetcher, donor)
     future = FakeFuture()
     pipe.requests.put(("_TRIGGER_GET_CURRENT_STATE", future))
     assert future.done.wait(10)
@@ -116,13 +119,7 @@ def test_a_failing_state_provider_answers_with_its_error_and_the_thread_goes_on(
 
 def test_the_thread_ends_when_its_averager_is_gone() -> None:
     donor = Donor()
-    pipe = FakePipe()
-    thread = threading.Thread(
-        target=serve_state_requests,
-        args=(MSGPackSerializer, pipe, weakref.WeakMethod(donor.get_current_state)),
-        daemon=True,
-    )
-    thread.start()
+    pipe, thread = start_thread(serve_state_requests, donor)
     del donor
     gc.collect()
     pipe.requests.put(("_TRIGGER_GET_CURRENT_STATE", FakeFuture()))
