@@ -47,7 +47,7 @@ def answer_state_request(serializer: Any, future: Any, get_state_ref: weakref.We
     if get_state is None:
         return False
     try:
-        meta, tensors, infos = (*get_state(), None, None)[:3]
+        meta, tensors, infos = get_state()  # StateDonors.get_current_state: always all three
         # on the CPU here, so that the averager process never has to initialise CUDA
         sent = tuple(t.cpu().detach().requires_grad_(t.requires_grad) for t in tensors)
         future.set_result((serializer.dumps(meta), sent, infos))

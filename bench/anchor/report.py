@@ -77,15 +77,16 @@ def dilocod_at_steps(statuses: list[dict[str, Any]], steps: float, step_tokens: 
                 tokens_at.setdefault(e["outer_step"], []).append(total)
                 if e.get("eval_loss") is not None:
                     losses[e["outer_step"]] = float(e["eval_loss"])
-    within = [
-        (step, statistics.mean(tokens_at[step]) / step_tokens)
+    reached = {
+        step: statistics.mean(tokens_at[step]) / step_tokens
         for step in sorted(losses)
-        if len(tokens_at[step]) == len(statuses) and statistics.mean(tokens_at[step]) / step_tokens <= steps
-    ]
+        if len(tokens_at[step]) == len(statuses)  # every peer applied it
+    }
+    within = [step for step, at in reached.items() if at <= steps]
     if not within:
         return None
-    step, at = within[-1]
-    return {"outer_step": step, "steps": round(at), "eval_loss": losses[step]}
+    step = within[-1]
+    return {"outer_step": step, "steps": round(reached[step]), "eval_loss": losses[step]}
 
 
 def _loss(figures: dict[str, Any]) -> str:
