@@ -650,6 +650,49 @@ def test_screened_is_not_always_faulty() -> None:
     assert faulty(x, w, after) == [4, 5, 6]  # undefended callers: every dropped row counts
 
 
+@pytest.mark.parametrize("liar_first", [True, False])
+@pytest.mark.parametrize("factor", [100.0, -1000.0])
+def test_a_pair_drops_and_flags_a_blown_up_partner(liar_first: bool, factor: float) -> None:
+    # In a pair the median of two norms follows the liar (×100: M ≈ 50 × honest, the liar under 10 × M,
+    # the average ~50 × an honest step); the lower middle norm cannot be pulled up, so the liar is dropped
+    # and reported, and the pair's result is the honest copy alone.
+    g = torch.Generator().manual_seed(4)
+    honest = torch.randn(1, 256, generator=g)
+    rows = [honest, honest * factor]
+    x = torch.cat(rows[::-1] if liar_first else rows)
+    liar = 0 if liar_first else 1
+    after = screen(x, ones(2), ScreeningConfig())
+    assert after.tolist() == [float(i != liar) for i in range(2)]
+    assert faulty(x, ones(2), after, ScreeningConfig()) == [liar]
+    assert torch.equal(REDUCERS["centered_clip"](x, after), honest[0])
+
+
+def test_an_honest_pair_of_unequal_work_stays_together() -> None:
+    # A peer that joined as the round closed (one inner step) beside one of 20 steps: their Δ norms differ
+    # ~13× on the tiny preset, and the tickets weigh the newcomer half as much; both copies count.
+    g = torch.Generator().manual_seed(5)
+    small = torch.randn(1, 256, generator=g)
+    x = torch.cat([small * 13, small])
+    assert screen(x, t([[1.0], [0.5]]).flatten(), ScreeningConfig()).tolist() == [1.0, 0.5]
+    # at equal weights the same two are ten-fold apart: the larger one sits out this round, unbanned
+    after = screen(x, ones(2), ScreeningConfig())
+    assert after.tolist() == [0.0, 1.0] and faulty(x, ones(2), after, ScreeningConfig()) == []
+
+
+@PROPS
+@given(case=weighted())
+def test_screening_is_never_looser_than_the_median_bound(case: tuple[torch.Tensor, torch.Tensor]) -> None:
+    # verify.py's receiver check assumes every kept row is within norm_ratio × the median norm
+    x, w = case
+    after = screen(x, w, ScreeningConfig())
+    norms = x.double().norm(dim=1)
+    included = norms[w > 0]
+    if len(included):
+        s = included.sort().values
+        median = float(s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+        assert bool((norms[after > 0] <= 10.0 * median * (1 + 1e-9)).all())
+
+
 @PROPS
 @given(case=weighted(), data=st.data())
 def test_screen_never_adds_and_always_drops_garbage(

@@ -19,6 +19,7 @@ from honest noise; robust reduction alone has to bound them. Every mode against 
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -142,5 +143,22 @@ def test_bad_donor_state_is_refused(tmp_path: Path) -> None:
             180,
         )
         assert donor_id in late.status()["banned"]
+    finally:
+        s.close()
+
+
+def test_a_pair_with_a_scaling_attacker_keeps_an_honest_model(tmp_path: Path) -> None:
+    # The attacker's first round can be with a single honest peer (it starts first; the others are not up
+    # yet). Two copies cannot outvote each other, and the pair's average was ~50 × an honest step: every
+    # honest peer that later downloaded that θ_global was wrecked (CI: eval 51 against 2.9 clean).
+    s = start_run(tmp_path, 1, 1, "scale")
+    try:
+        honest = s.peers[-1]
+        statuses = s.wait_all_at(3, timeout=300, peers=[honest], evaluated=True)
+        losses = [e["eval_loss"] for e in statuses[0]["rounds"] if e["eval_loss"] is not None]
+        # ln 256 is an untrained model's loss; the pair's average wrecked it to 56–181 in three rounds
+        assert losses and max(losses) < math.log(256), f"{losses}\n{round_results(statuses)}"
+        attacker = s.peers[0].status()["peer_id"]
+        wait_for("the honest peer to ban the attacker", lambda: attacker in honest.status()["banned"], 120)
     finally:
         s.close()
