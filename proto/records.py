@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 8, ROUND_TICKET at 4, STATE_META at 1,
+"""The concrete wire messages of dilocod (STATUS at version 8, ROUND_TICKET at 4, STATE_META at 2,
 MANIFEST at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
@@ -154,7 +154,7 @@ and its group key differs anyway, see `peers/averager.py`).
 
 STATE_META = Schema(
     name="dilocod.state",
-    version=1,
+    version=2,
     max_bytes=2048,
     fields=(
         Field("outer_step", "int", min=0),
@@ -162,6 +162,7 @@ STATE_META = Schema(
         Field("num_tensors", "int", min=0, max=100_000),
         Field("param_count", "int", min=0, max=2**40),
         Field("time", "float", min=0),
+        Field("pending_tensors", "int", optional=True, min=0, max=100_000),
     ),
 )
 """Metadata sent first by a peer serving a state download to a peer that joins or fell behind.
@@ -173,6 +174,11 @@ The receiver uses it to know what it is about to get and to check it once the te
 - num_tensors: how many tensors follow (parameters then optimizer buffers), to bound the download.
 - param_count: how many of those tensors are parameters; the rest are outer-optimizer buffers.
 - time: sender's unix time when the snapshot was taken.
+- pending_tensors (v2): with `outer.overlap` delayed or streaming, how many of the tensors, after the
+  parameters and optimizer buffers, are the average of the round the sender has in flight at
+  outer_step (every tensor, or its fragment's with streaming; 0 or absent: none completed yet). A joiner
+  applies it at its next close, as the sender does, instead of missing that round's group
+  (docs/architecture.md, "A joiner with overlap takes the round in flight"). A v1 record has none.
 """
 
 

@@ -58,7 +58,7 @@ def round_hashes(statuses: list[dict[str, Any]]) -> dict[int, set[str]]:
     by_step: dict[int, set[str]] = {}
     for status in statuses:
         for entry in status["rounds"]:
-            if entry["result"] in ("ok", "resynced"):
+            if entry["result"] in ("ok", "resynced", "caught_up"):
                 by_step.setdefault(entry["outer_step"], set()).add(entry["global_sha256"])
     return by_step
 

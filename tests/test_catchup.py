@@ -105,3 +105,53 @@ def test_adopting_without_rebase_restarts_from_the_new_global() -> None:
     assert keeper.adopt_in_trainer(1, donor_state(keeper)) is None
     for now, new in zip(keeper.trainer.working_params_fp32(), keeper.outer.params):
         assert torch.equal(now, new)
+
+
+def server() -> Any:
+    """A `StateSync` serving a tiny θ_global (no trainer, no network)."""
+    import torch
+
+    from dilocod.config import load_config
+    from dilocod.diloco import OuterOptimizer
+    from dilocod.statesync.catchup import StateSync
+    from dilocod.trust.adversary import Adversary
+
+    cfg = load_config(None)
+
+    class Group:
+        def set_state_step(self, step: float) -> None:
+            self.step = step
+
+    outer = OuterOptimizer([torch.ones(4), torch.zeros(2, 3)], cfg.outer)
+    return StateSync(
+        cfg, outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
+        in_trainer=None, records=None, punish=None, banned=list, on_adopted=lambda: None, count_bytes=None,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_donor_with_overlap_serves_its_completed_round_in_flight_until_the_close() -> None:
+    import torch
+
+    from proto import decode_state_meta
+
+    sync = server()
+    sync.share()
+    meta, tensors = sync.current()
+    assert decode_state_meta(meta)["pending_tensors"] == 0 and len(tensors) == 4
+    averaged = [torch.full((4,), 0.5), torch.full((2, 3), -1.0)]
+    sync.share_pending(sync.outer.step + 1, averaged)  # not our step: a round we are not at
+    assert len(sync.current()[1]) == 4
+    sync.share_pending(sync.outer.step, averaged)
+    meta, tensors = sync.current()
+    decoded = decode_state_meta(meta)
+    assert decoded["pending_tensors"] == 2 and decoded["num_tensors"] == 6 and len(tensors) == 6
+    assert all(torch.equal(a, b) for a, b in zip(tensors[4:], averaged))
+    assert sync._check_content(tensors, decoded) is None  # a joiner accepts it
+    # too few or non-finite pending tensors are the donor's lie
+    assert sync._check_content(tensors[:5], decoded) is not None
+    poisoned = [*tensors[:4], torch.full((4,), float("nan")), tensors[5]]
+    assert "round in flight" in sync._check_content(poisoned, decoded)
+    # a v1 donor's metadata names no pending tensors: its state alone is accepted
+    assert sync._check_content(tensors[:4], {**decoded, "pending_tensors": None}) is None
+    sync.share()  # the close applied it: a new θ_global, nothing pending
+    assert decode_state_meta(sync.current()[0])["pending_tensors"] == 0

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.harness import Swarm, round_hashes
+from tests.harness import Swarm, round_hashes, round_results
 from tests.test_swarm import _ok_counts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -49,3 +49,23 @@ def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., S
     leaver.signal(signal.SIGTERM)
     assert leaver.wait(timeout=30) == 0
     assert leaver.run_dir is not None and (leaver.run_dir / "checkpoint.pt").exists()
+
+    # It comes back behind the run on a slow machine (30 % of the CPU, its download too: ~5 s against
+    # ~1 s rounds): the group of the step it downloads has formed by the time it has it. The run holds its
+    # close for the download, the round in flight comes with the state, and the peer applies it there as
+    # its donor does: it is back in step within a few of the run's rounds, on the same θ_global.
+    leaver.start()
+    leaver.throttle(0.3)
+    s.wait_serving(leaver, timeout=120)
+    others = s.peers[1:]
+    back_at = max(p.status()["outer_step"] for p in others)
+    statuses = s.wait_all_at(back_at + 10, timeout=200, peers=others)
+    mine = leaver.status()
+    back = [
+        e["outer_step"]
+        for e in mine["rounds"]
+        if e["result"] in ("ok", "caught_up") and e["outer_step"] > back_at
+    ]
+    assert back and min(back) <= back_at + 8, round_results([mine, *statuses])
+    for step, found in round_hashes([mine, *statuses]).items():
+        assert len(found) == 1, f"peers disagree on θ_global after outer step {step}: {found}"

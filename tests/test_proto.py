@@ -107,6 +107,7 @@ state_meta_records = st.fixed_dictionaries(
         "num_tensors": st.integers(0, 100_000),
         "param_count": st.integers(0, 2**40),
         "time": nonneg,
+        "pending_tensors": st.integers(0, 100_000),
     }
 )
 manifest_records = st.fixed_dictionaries(
@@ -194,7 +195,10 @@ def example(schema: Schema) -> dict[str, Any]:
             "outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": [],
             "tokens": 163840, "tokens_per_second": 16384.0, "train_seconds": 10.0, "manifest_hash": sha,
         }  # fmt: skip
-    return {"outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0}
+    return {
+        "outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0,
+        "pending_tensors": 0,
+    }  # fmt: skip
 
 
 def raw_pack(schema: Schema, fields: dict[Any, Any], name: Any = None, version: Any = None) -> bytes:
@@ -566,7 +570,7 @@ def test_schema_constants() -> None:
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 4, 4096)
     assert ROUND_TICKET.min_version == 4 and STATUS.min_version == 1
     assert (MANIFEST.name, MANIFEST.version, MANIFEST.max_bytes) == ("dilocod.manifest", 1, 16384)
-    assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 1, 2048)
+    assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 2, 2048)
 
 
 def test_older_version_accepted_when_schema_grows() -> None:

@@ -177,3 +177,12 @@ def test_joiners_come_from_fresh_records_that_name_the_round() -> None:
         joiner("b", round_index=2),
         joiner("j", since=96.0, time=99.5),
     ]
+
+
+def test_the_round_in_flight_is_done_after_its_window_and_the_longest_recent_exchange() -> None:
+    # opened at 100: window 2 s, twice the 1 s request slack, then the longest recent all-reduce
+    assert clock.in_flight_done_at(100.0, 2.0, 1.0, [0.3, 0.8, 0.5]) == 104.8
+    assert clock.in_flight_done_at(100.0, 2.0, 1.0, []) == 105.0  # none measured: 1 s
+    assert clock.in_flight_done_at(100.0, 2.0, 1.0, [math.nan, 0.0]) == 105.0
+    assert clock.in_flight_done_at(None, 2.0, 1.0, [0.3]) is None  # nobody says when the round opened
+    assert clock.in_flight_done_at(math.inf, 2.0, 1.0, [0.3]) is None

@@ -82,6 +82,8 @@ class FakeSync:
         self.outer, self.results, self.shared = outer, results, 0
         self.state: PeerState | None = None  # to read our record while the download runs
         self.announced: list[dict[str, Any]] = []
+        self.pending: list[torch.Tensor] | None = None  # a donor's round in flight, sent with its state
+        self.offered: list[tuple[int, list[torch.Tensor]]] = []  # what we offered as ours (share_pending)
 
     async def catch_up(
         self, min_step: int, announce: Callable[[int], Awaitable[None]] | None = None
@@ -94,10 +96,13 @@ class FakeSync:
             self.announced.append(self.state.record() if self.state is not None else {})
         step = self.results.popleft()
         self.outer.load_state(step, [*self.outer.params, *self.outer.momentum])
-        return SyncResult(True, step, start, kept_progress=True, donor="donor")
+        return SyncResult(True, step, start, kept_progress=True, donor="donor", pending=self.pending)
 
     def share(self) -> None:
         self.shared += 1
+
+    def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
+        self.offered.append((step, averaged))
 
 
 class FakeView:
@@ -216,13 +221,11 @@ def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens()
     assert rig.outer.step >= 8 and rig.ledger.trained > 0
 
 
-@pytest.mark.parametrize("overlap, joining", [("none", 7), ("delayed", None)])
-def test_a_re_syncing_peer_says_which_round_it_is_joining_until_it_has_the_state(
-    overlap: str, joining: int | None
-) -> None:
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_re_syncing_peer_says_which_round_it_is_joining_until_it_has_the_state(overlap: str) -> None:
     """While the state downloads, our record names the round we will train with it (the run's clock holds
-    that round open for us). With overlap it says nothing: the group it must meet forms when that state
-    appears, whatever the clock does."""
+    that round open for us; with overlap, until we have the round in flight too, to apply at that close)."""
+    joining = 7
     rig = Rig(overlap=overlap, script=[ok] * 3, syncs=[7])
     rig.view.others = [peer_record(7)]
     rig.run_until(lambda: rig.outer.step >= 8)
@@ -281,6 +284,42 @@ def test_delayed_overlap_averages_while_the_next_round_trains() -> None:
     rig.run_until(lambda: rig.outer.step >= 2)
     assert rig.results()[:2] == ["ok", "ok"]
     assert [step for step, _ in rig.averaging.seen[:3]] == [0, 1, 2]  # one round in flight at a time
+
+
+def test_with_overlap_a_completed_round_in_flight_is_offered_with_our_state() -> None:
+    rig = Rig(overlap="delayed", script=[ok, no_group, ok, ok])
+    rig.view.others = [peer_record(0)]
+    rig.run_until(lambda: rig.outer.step >= 2)
+    # a round that found no group has nothing to offer; each completed one is offered at its own step
+    steps = [step for step, _ in rig.sync.offered]
+    assert steps[:2] == [0, 1] and len(rig.averaging.seen) >= 3, (steps, rig.results())
+
+
+def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_and_then_sends_all_its_progress() -> None:
+    sent: list[tuple[Contribution, list[torch.Tensor]]] = []  # each launched round, and θ_global then
+
+    def ok_and_seen(contribution: Contribution) -> RoundOutcome:
+        sent.append((contribution, [p.clone() for p in rig.outer.params]))
+        return ok(contribution)
+
+    rig = Rig(overlap="delayed", script=[ok_and_seen] * 3, syncs=[7])
+    rig.view.others = [peer_record(7)]
+    pending = [torch.full((4,), 0.25), torch.full((3,), -0.5)]
+    rig.sync.pending = pending
+    adopted = [p.clone() for p in rig.outer.params]  # the fake download keeps θ, moves only the step
+    rig.run_until(lambda: rig.outer.step >= 9)
+    assert rig.results()[:3] == ["resynced", "caught_up", "ok"], rig.results()
+    # the donor's round was not ours: none of our tokens were in it
+    caught = rig.state.history[1]
+    assert caught.outer_step == 8 and caught.tokens == 0 and caught.tokens_counted == 0
+    first, theta = sent[0]
+    assert first.step == 8  # our first round is the run's next one, launched with everybody
+    # θ_global took exactly the outer step the donor's group took at that close (lr 1, no momentum)
+    assert all(torch.equal(t, a - p) for t, a, p in zip(theta, adopted, pending))
+    # and that round sent every inner step we took, measured from the new θ_global, with their tokens
+    steps = round(float(first.delta[0][0]) / 0.01)
+    assert steps >= 5 and rig.state.history[2].tokens == steps * TOKENS_PER_STEP
+    assert all(torch.allclose(d, torch.full_like(d, 0.01 * steps)) for d in first.delta)
 
 
 @pytest.mark.parametrize("seconds", [0.0, 0.3])

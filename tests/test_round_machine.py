@@ -67,6 +67,8 @@ NOBODY = Attempt(False, error="could not find a group")
 CUT = Attempt(True, in_majority=True, group_size=3, error=None)  # formed, but averages went missing
 MINORITY = Attempt(True, complete=True, in_majority=False, group_size=3)
 BANNED = Attempt(True, complete=True, in_majority=False, banned=True, group_size=3)
+# the round a donor had in flight, handed over with its state (we were not in its group)
+ADOPTED = Attempt(True, complete=True, in_majority=True, has_average=True, adopted=True)
 
 
 def outcome(actions: list[Action]) -> Outcome | None:
@@ -111,6 +113,14 @@ TABLE: list[tuple[str, MachineSettings, RoundState, object, Outcome | None, Acti
     ("overlap: settle the round in flight", OVERLAP, replace(AT5, in_flight=True), Closed(PEERS), None, AwaitRound(), 5),
     ("overlap: applied, launch the next", OVERLAP, AT5, Averaged(OK, PEERS), Outcome.OK, Train(), 6),
     ("overlap: re-synced, launch at once", OVERLAP, AT5, Synced(True, 8), Outcome.RESYNCED, Train(), 8),
+    (
+        "overlap: re-synced with the donor's round in flight: hold it, launch nothing",
+        OVERLAP, AT5, Synced(True, 8, caught_up=True), Outcome.RESYNCED, Train(), 8,
+    ),
+    (
+        "overlap: the donor's round applied at our close, as its members do",
+        OVERLAP, replace(AT5, in_flight=True), Averaged(ADOPTED, PEERS), Outcome.CAUGHT_UP, Train(), 6,
+    ),
     ("stop", PLAIN, AT5, Stopping(), None, Stop(), 5),
     ("stopped stays stopped", PLAIN, replace(AT5, stopped=True), Closed(PEERS), None, Stop(), 5),
 ]  # fmt: skip
@@ -173,6 +183,27 @@ def test_overlap_launches_the_next_round_after_settling() -> None:
     # After a re-sync the run's group at the adopted step is forming: meet it now, not a round late.
     after, actions = transition(AT5, Synced(True, 8), OVERLAP)
     assert actions[-2:] == [Launch(), Train()] and after.in_flight and after.round == 9
+
+
+def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_then_launches_with_the_run() -> None:
+    # Re-synced mid-round: the run's group for the adopted step formed at the last close; the donor's
+    # average of it came with the state. We train to the close, apply it there and launch with everyone.
+    missed = replace(AT5, misses=2)
+    after, actions = transition(missed, Synced(True, 8, PEERS, caught_up=True), OVERLAP)
+    assert Launch() not in actions and after.in_flight and after.round == 9
+    after, actions = transition(after, Closed(PEERS), OVERLAP)
+    assert actions == [AwaitRound()]
+    after, actions = transition(after, Averaged(ADOPTED, replace(PEERS, best_step=9)), OVERLAP)
+    assert actions[:2] == [Apply(), Record(Outcome.CAUGHT_UP, 0, 0.0)]
+    assert actions[-2:] == [Launch(), Train()] and after.step == 9 and after.round == 10
+    assert Publish() in actions and Evaluate() not in actions
+    # back in step, but its tokens are in no round yet: neither contributing nor another miss
+    assert not any(isinstance(a, Contributing | Warn) for a in actions) and after.misses == 2
+    # if the run moved on past even that round (a long download), it re-syncs again
+    _, actions = transition(
+        replace(AT5, in_flight=True), Averaged(ADOPTED, replace(PEERS, best_step=7)), OVERLAP
+    )
+    assert actions[-1] == Download(7)
 
 
 def test_checkpoints_come_every_n_rounds_with_fragments() -> None:

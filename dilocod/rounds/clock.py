@@ -211,6 +211,20 @@ def estimate_close(
     return Close(min(at, latest), opened, target, expected, rate, len(everyone), by)
 
 
+def in_flight_done_at(
+    opened: float | None, window: float, request_timeout: float, allreduce_seconds: Sequence[float]
+) -> float | None:
+    """With overlap: when the run's round in flight, launched at `opened` (the close that opened the round
+    the run trains now), has likely completed — its matchmaking window and the request slack every
+    member allows, then an all-reduce as long as the longest of the recent ones we saw (1 s if none). A
+    download started after it gets that round's average with the state; None when no trainer says when
+    the run's round opened."""
+    if opened is None or not math.isfinite(opened):
+        return None
+    exchange = max((s for s in allreduce_seconds if math.isfinite(s) and s > 0), default=1.0)
+    return opened + window + 2 * request_timeout + exchange
+
+
 def should_stop(close_at: float, now: float, seconds_per_step: float | None) -> bool:
     """Whether a trainer stops before its next inner step: when that step would end nearer the close
     than after it (so a slow peer overshoots by at most half a step, and reaches matchmaking with the

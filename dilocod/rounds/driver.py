@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
@@ -52,6 +54,16 @@ log = logging.getLogger("dilocod.rounds")
 ALONE_AFTER_TIMEOUTS = 4  # matchmaking timeouts without seeing another trainer before applying alone
 NO_MANIFEST = "0" * 64  # a ticket's manifest when the driver runs without one (unit tests of the driver)
 STOP_GRACE_SECONDS = 15.0  # a round exchanging tensors may finish serving our parts this long at a stop
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A round averaging in the background (overlap), or one a donor handed us already averaged."""
+
+    contribution: Contribution
+    tokens: int  # tokens behind the contribution
+    task: asyncio.Task[RoundOutcome]
+    adopted: bool = False  # the donor's round: we were not in it, and apply it as its members do
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,7 @@ class RoundDriver:
             private=machine.private,
         )  # fmt: skip
         self.facts = self.observer.facts
-        self._in_flight: tuple[Contribution, int, asyncio.Task[RoundOutcome]] | None = None
+        self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
         self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next
 
@@ -182,12 +194,12 @@ class RoundDriver:
         return self._stopping.is_set() or self.timer.should_stop()
 
     # ---- averaging -----------------------------------------------------------------------------------------
-    async def _start_round(self) -> tuple[Contribution, int, asyncio.Task[RoundOutcome]]:
+    async def _start_round(self) -> InFlight:
         contribution = await self.parts.training.run(self.pipeline.contribution)
         tokens, seconds = self.tokens.send(contribution.fragment)
         ticket = self._ticket(contribution.step, tokens, seconds)
         average = self.parts.averaging.average(contribution, ticket, self.timer.group_target)
-        return contribution, tokens, asyncio.create_task(average)
+        return InFlight(contribution, tokens, asyncio.create_task(average))
 
     def _ticket(self, step: int, tokens: int, seconds: float) -> bytes:
         tokens_per_second = max(0.0, self.state.tokens_per_second)
@@ -209,11 +221,11 @@ class RoundDriver:
 
     async def _average_now(self) -> Event:
         self.state.phase = "averaging"
-        contribution, tokens, task = await self._start_round()
-        outcome = await self._unless_stopped(task)
+        round_ = await self._start_round()
+        outcome = await self._unless_stopped(round_.task)
         if outcome is None:
             return Stopping()
-        return await self._settle(contribution, tokens, outcome)
+        return await self._settle(round_, outcome)
 
     async def _unless_stopped(self, task: asyncio.Task[RoundOutcome]) -> RoundOutcome | None:
         """The round's outcome; None when a stop came first. A stop while matchmaking leaves at once; one
@@ -243,22 +255,41 @@ class RoundDriver:
 
     async def _launch(self) -> None:
         """Overlap: start this round's averaging in the background; the next round opens now."""
-        self._in_flight = await self._start_round()
+        self._in_flight = round_ = await self._start_round()
+        round_.task.add_done_callback(lambda task: self._offer_pending(round_.contribution, task))
         self.effects.open_round()
         await self.parts.publisher.publish()  # the others' clocks follow our round
 
     async def _await_in_flight(self) -> Event:
         assert self._in_flight is not None, "AwaitRound without a round in flight"
-        contribution, tokens, task = self._in_flight
-        self._in_flight = None
-        waited = not task.done()
+        round_, self._in_flight = self._in_flight, None
+        waited = not round_.task.done()
         if waited:
             self.state.phase = "averaging"  # the network is slower than a round of inner steps
-        outcome = await self._unless_stopped(task)
+        outcome = await self._unless_stopped(round_.task)
         if outcome is None:
             return Stopping()
         self._note_overlap(waited and outcome.found_group and outcome.complete)
-        return await self._settle(contribution, tokens, outcome)
+        return await self._settle(round_, outcome)
+
+    def _offer_pending(self, contribution: Contribution, task: asyncio.Task[RoundOutcome]) -> None:
+        """A round in flight completed: serve its average with our state until the close applies it, so a
+        peer re-syncing meanwhile applies it with us rather than missing the group it would have needed."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        outcome = task.result()
+        if outcome.averaged is not None and attempt(outcome).succeeded:
+            self.parts.sync.share_pending(contribution.step, outcome.averaged)
+
+    async def _adopt_in_flight(self, pending: list[torch.Tensor]) -> bool:
+        """After a re-sync with overlap: hold the donor's round in flight as ours; False if it does not fit."""
+        contribution = await self.parts.training.run(lambda: self.pipeline.caught_up(pending))
+        if contribution is None:
+            log.warning("the donor's round in flight does not fit our model: launching our own round")
+            return False
+        averaged = asyncio.create_task(_already(RoundOutcome(True, 0, 0, True, True, pending, 0.0)))
+        self._in_flight = InFlight(contribution, 0, averaged, adopted=True)
+        return True
 
     def _note_overlap(self, outlasted: bool) -> None:
         # Overlap hides a round only behind the next round's training; once rounds (mostly matchmaking on a
@@ -272,15 +303,15 @@ class RoundDriver:
                 "averaging.min_matchmaking_time"
             )
 
-    async def _settle(self, contribution: Contribution, tokens: int, outcome: RoundOutcome) -> Event:
-        self.context.contribution, self.context.outcome = contribution, outcome
-        self.context.sent_tokens = tokens
+    async def _settle(self, round_: InFlight, outcome: RoundOutcome) -> Event:
+        self.context.contribution, self.context.outcome = round_.contribution, outcome
+        self.context.sent_tokens = round_.tokens
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
         await self.parts.averaging.judge(outcome)
         facts = await self.facts()
         if not self.machine.overlapped:  # whatever came of it, the round we train next opens now
             self._reopen = (None,)
-        return Averaged(attempt(outcome), facts)
+        return Averaged(replace(attempt(outcome), adopted=round_.adopted), facts)
 
     async def _run_leaves(self, task: asyncio.Task[RoundOutcome]) -> None:
         """Return once the run is past our round while we are still matchmaking (never during an exchange)."""
@@ -322,19 +353,32 @@ class RoundDriver:
             )  # fmt: skip
         self.effects.new_global()
         self._reopen = (await self.timer.run_opened(self.outer.step),)  # we join the run's round under way
-        return Synced(True, self.outer.step, facts)
+        caught_up = False
+        if self.machine.overlapped and result.pending is not None:
+            caught_up = await self._adopt_in_flight(result.pending)
+        return Synced(True, self.outer.step, facts, caught_up=caught_up)
 
     async def _announce_joining(self, run_step: int) -> None:
         """Tell the run that we are downloading its θ_global of `run_step` to train round `run_step`: its
         clock keeps that round open for us (the others train on) until we have it.
 
-        Not with overlap: there the state of step k exists only from the moment the run launches step k's
-        averaging, and that group is what we must meet; holding a training round open cannot help."""
-        if self.machine.overlapped:
-            return
+        With overlap the group of `run_step` forms at the close that made that state, and we cannot meet it
+        unless our download beats its matchmaking window. A donor serves that round's average with its
+        state once the round completed, so we wait for that first (`clock.in_flight_done_at`): we then apply
+        it at the run's next close, which the hold keeps open for our download, and are in the round after."""
         if self.state.joining != run_step:
             self.state.joining, self.state.joining_since = run_step, time.time()
         await self._publish_quietly()
+        if self.machine.overlapped:
+            await self._until_in_flight_done(run_step)
+
+    async def _until_in_flight_done(self, run_step: int) -> None:
+        opened = await self.timer.run_opened(run_step + 1)  # the round the run trains while it averages
+        recent = [e.allreduce_seconds for e in list(self.state.history)[-8:] if e.result == "ok"]
+        cfg = self.cfg.averaging
+        ready = clock.in_flight_done_at(opened, cfg.min_matchmaking_time, cfg.request_timeout, recent)
+        if ready is not None:
+            await asyncio.sleep(min(max(0.0, ready - time.time()), cfg.state_timeout / 2))
 
     async def _publish_quietly(self) -> None:
         try:
@@ -347,11 +391,15 @@ class RoundDriver:
         """A round averaging in the background that is exchanging tensors may finish serving our parts."""
         if self._in_flight is None:
             return
-        task = self._in_flight[2]
+        task = self._in_flight.task
         self._in_flight = None
         if not task.done() and self.parts.averaging.in_allreduce:
             await asyncio.wait({task}, timeout=grace)
         await cancelled_quietly(task)  # type: ignore[arg-type]
+
+
+async def _already(outcome: RoundOutcome) -> RoundOutcome:
+    return outcome
 
 
 def attempt(outcome: RoundOutcome) -> Attempt:

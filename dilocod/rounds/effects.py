@@ -221,6 +221,11 @@ class Effects:
             log.warning("round %d: most of our group bans us, our contribution did not count", step)
         elif outcome is Outcome.LATE:
             log.warning("the run closed round %d without us: re-syncing, keeping our progress", step)
+        elif outcome is Outcome.CAUGHT_UP:
+            log.info(
+                "outer step %d: applied the run's round our donor had in flight (θ %s); our progress goes "
+                "out in the next round", step, self.outer.sha256[:12],
+            )  # fmt: skip
 
     def _reducer_errors(self) -> tuple[str, ...]:
         outcome = self.context.outcome

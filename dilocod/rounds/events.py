@@ -22,6 +22,8 @@ class Outcome(StrEnum):
     BANNED = "banned"  # most of our group bans us: our contribution did not count
     LATE = "late"  # the run closed our round without us: re-sync, keeping our progress
     RESYNCED = "resynced"  # adopted θ_global and the outer momentum from a peer
+    # overlap: applied the round in flight that the donor handed us with its state (we were not in it)
+    CAUGHT_UP = "caught_up"
     SYNC_FAILED = "sync_failed"  # wanted to re-sync, but no donor's state could be adopted
     STEPPED_BACK = "stepped_back"  # went back to our previous θ_global to meet peers behind us
     UNDONE = "undone"  # a round we applied and stepped back from (set on its history entry afterwards)
@@ -59,6 +61,7 @@ class Attempt:
     group_size: int = 0
     seconds: float = 0.0
     error: str | None = None
+    adopted: bool = False  # the average is a donor's round in flight, handed us with its state
 
     @property
     def succeeded(self) -> bool:
@@ -98,6 +101,8 @@ class Synced:
     adopted: bool
     step: int
     facts: RunFacts = RunFacts()
+    # overlap: the donor's round in flight came with its state; it is applied at our next close
+    caught_up: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ A peer's life is a loop of rounds on the run's clock (`clock.py`):
 
 With `outer.overlap` delayed or streaming a round averages while the next one trains: Closed launches it
 (`Launch`, then `Train`) and the next Closed awaits it (`AwaitRound` → Averaged) before launching the
-next. Every decision below is made from the event's facts alone, so each row of the table in
+next. A peer that re-syncs then may get the run's round in flight with the donor's state (`Synced` with
+`caught_up`): it holds that round as in flight and applies it at the next close (`caught_up`). Every decision below is made from the event's facts alone, so each row of the table in
 `tests/test_round_machine.py` is one line of this file: which outcome a round ends as, and what the
 peer does next. The driver (`driver.py`) performs the actions; nothing here does I/O or keeps time.
 
@@ -144,7 +145,7 @@ def _on_averaged(
     actions: list[Action] = [*effects, *_contributing(next_state, outcome, facts, settings)]
     # The round's record comes right after the step it made (the API never shows a step without its
     # round), then the others' clocks learn of it; evaluating waits until both are done.
-    if outcome in SUCCESS or outcome is Outcome.STEPPED_BACK:
+    if outcome in SUCCESS or outcome in (Outcome.STEPPED_BACK, Outcome.CAUGHT_UP):
         actions.append(Publish())
     if outcome in SUCCESS:
         actions.append(Evaluate())
@@ -160,6 +161,8 @@ def _settle(
 ) -> tuple[Outcome, list[Action]]:
     """The outcome of an averaging attempt and its effects (not yet the next command)."""
     size, seconds = attempt.group_size, attempt.seconds
+    if attempt.adopted and attempt.has_average:  # the run's round in flight, from our donor
+        return Outcome.CAUGHT_UP, [Apply(), Record(Outcome.CAUGHT_UP, attempt.majority_size, seconds)]
     if attempt.succeeded:
         return Outcome.OK, [Apply(), Record(Outcome.OK, attempt.majority_size, seconds)]
     if attempt.found_group and attempt.banned:
@@ -181,13 +184,16 @@ def _settle(
 
 def _after(state: RoundState, outcome: Outcome, facts: RunFacts, settings: MachineSettings) -> RoundState:
     """Our step and counters after a settled round."""
-    step = state.step + 1 if outcome in SUCCESS else state.step - int(outcome is Outcome.STEPPED_BACK)
+    applied = outcome in SUCCESS or outcome is Outcome.CAUGHT_UP
+    step = state.step + 1 if applied else state.step - int(outcome is Outcome.STEPPED_BACK)
     stranded = 0
     if outcome is Outcome.NO_GROUP and settings.can_step_back and facts.behind_on_previous:
         stranded = state.stranded + 1
     state = replace(state, step=step, stranded=stranded)
     if outcome in SUCCESS:
         return replace(state, misses=0, warned=False)
+    if outcome is Outcome.CAUGHT_UP:  # back in step, but not yet in a round: our next one says
+        return state
     return _missed(state, outcome, facts, settings)
 
 
@@ -204,6 +210,8 @@ def _contributing(
     """Say whether we contribute (every round), and warn once when we have not for a while."""
     if outcome in SUCCESS:
         return [Contributing(None)]
+    if outcome is Outcome.CAUGHT_UP:
+        return []
     definite = no_reducer(facts, private=settings.private)  # no need to wait for more misses
     if (state.misses < MISSES_BEFORE_WARNING and not definite) or facts.others == 0:
         return []
@@ -253,8 +261,12 @@ def _on_synced(
         return _warned(state, failed), [*failed, Train(hold=True)]
     state = replace(state, step=event.step, in_flight=False, stranded=0, since_checkpoint=0)
     adopted: list[Action] = [Record(Outcome.RESYNCED), Publish(), Checkpoint()]
+    if settings.overlapped and event.caught_up:
+        # The donor handed us the run's round in flight with its state: that round is ours to apply at the
+        # next close, as every member does, and our progress goes out in the round launched then.
+        return replace(state, in_flight=True), [*adopted, Train()]
     if settings.overlapped:
-        # The run launched the round of the step we adopted at its last close: launch ours now (our rebased
-        # progress) to meet that group, rather than a round late again after training a whole round.
+        # The run launched the round of the step we adopted at its last close, and it had not completed
+        # when our donor served us: launch ours now (our rebased progress) to meet that group.
         return replace(state, in_flight=True), [*adopted, Launch(), Train()]
     return state, [*adopted, Train()]

@@ -118,6 +118,20 @@ class RoundPipeline:
         corrupted = self.adversary.corrupt_delta(whole)
         return [corrupted[i] for i in indices]
 
+    def caught_up(self, averaged: list[torch.Tensor]) -> Contribution | None:
+        """Overlap, right after a re-sync: the donor's round in flight at our new outer step, as a
+        contribution of ours that sent nothing, to apply at the next close as the round's members do (None
+        if its shapes are not that round's). Our progress is measured from the adopted θ_global, so it all
+        goes out in the round launched then."""
+        fragment, indices = self.fragment_at(self.outer.step)
+        expected = [self.outer.params[i] for i in indices] if indices is not None else self.outer.params
+        if len(averaged) != len(expected) or any(a.shape != p.shape for a, p in zip(averaged, expected)):
+            return None
+        if self.settings.overlap == "delayed":
+            self._start = [p.clone() for p in self.outer.params]
+        nothing = [torch.zeros_like(p) for p in expected]
+        return Contribution(self.outer.step, fragment, indices, nothing, nothing)
+
     # ---- settling ----------------------------------------------------------------------------------------
     def apply(self, contribution: Contribution, averaged: list[torch.Tensor]) -> None:
         """Take the outer step with the group's average (the same bytes on every member)."""

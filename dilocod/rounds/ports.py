@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from dilocod.rounds.pipeline import Contribution
 from dilocod.statesync.catchup import SyncResult
 from dilocod.trainer import StepStats
@@ -59,6 +61,10 @@ class StateSyncing(Protocol):
 
     def share(self) -> None:
         """Offer our (new) θ_global and momentum to peers that re-sync."""
+        ...
+
+    def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
+        """Overlap: offer with it the average of the round we launched at `step`, once it completed."""
         ...
 
 

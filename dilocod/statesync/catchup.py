@@ -54,6 +54,8 @@ class SyncResult:
     from_step: int
     kept_progress: bool = False
     donor: str | None = None
+    # overlap: the average of the round the donor had in flight at `step` (applied at our next close)
+    pending: list[torch.Tensor] | None = None
 
 
 class StateSync:
@@ -84,18 +86,31 @@ class StateSync:
     def share(self) -> None:
         """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
         tensors = self.adversary.poison_state([t.clone() for t in self.outer.state_tensors()])
-        meta = encode_state_meta(
+        self.snapshot = (self._meta(tensors, 0), tensors)
+        self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
+
+    def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
+        """Overlap: the round we launched at `step` completed; serve its average with our state, so that a
+        joiner can apply it at the next close with us instead of missing the group it needed."""
+        if self.snapshot is None or step != self.outer.step:
+            return
+        _, tensors = self.snapshot
+        state = tensors[: 2 * len(self.outer.params)]
+        pending = [a.detach().clone() for a in averaged]
+        self.snapshot = (self._meta(state, len(pending)), [*state, *pending])
+
+    def _meta(self, tensors: list[torch.Tensor], pending: int) -> bytes:
+        return encode_state_meta(
             {
                 "outer_step": self.outer.step,
                 # self-consistent even when poisoned: only the run's published hashes can expose a liar
                 "global_sha256": global_sha256(tensors[: len(self.outer.params)]),
-                "num_tensors": 2 * len(self.outer.params),
+                "num_tensors": 2 * len(self.outer.params) + pending,
                 "param_count": len(self.outer.params),
                 "time": time.time(),
+                "pending_tensors": pending,
             }
         )
-        self.snapshot = (meta, tensors)
-        self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
 
     def current(self) -> Snapshot:
         """What a peer downloading our state gets (called from hivemind's thread)."""
@@ -117,11 +132,14 @@ class StateSync:
             once = await self._catch_up_once(wanted, announce)
             if once is None:
                 break
-            result = SyncResult(True, self.outer.step, start, result.kept_progress or once[0], once[1])
+            kept, donor, pending = once
+            result = SyncResult(True, self.outer.step, start, result.kept_progress or kept, donor, pending)
         return result
 
-    async def _catch_up_once(self, min_step: int, announce: Announce | None) -> tuple[bool, str] | None:
-        """One download at `min_step` or later; (progress kept, donor) when adopted."""
+    async def _catch_up_once(
+        self, min_step: int, announce: Announce | None
+    ) -> tuple[bool, str, list[torch.Tensor] | None] | None:
+        """One download at `min_step` or later; (progress kept, donor, its round in flight) when adopted."""
         best = max((r["outer_step"] for r in await self.others()), default=-1)
         if best < min_step:  # nobody has what we need (with force, min_step is our own step)
             return None
@@ -136,7 +154,7 @@ class StateSync:
                 downloaded = await self.group.download_state(
                     exclude=tried,
                     min_step=min_step,
-                    max_elements=2 * self.outer.num_elements,
+                    max_elements=3 * self.outer.num_elements,  # θ_global, momentum, a round in flight
                     timeout=self.cfg.averaging.state_timeout,
                 )
             finally:
@@ -147,7 +165,8 @@ class StateSync:
             self._count_bytes(0, GroupAverager.payload_bytes(downloaded))
             verdict = await self._verify(downloaded, min_step)
             if verdict is None:
-                return await self._adopt(downloaded), downloaded.donor
+                kept = await self._adopt(downloaded)
+                return kept, downloaded.donor, self._pending(downloaded)
             problem, lie = verdict
             log.warning("refused state from %s: %s", downloaded.donor, problem)
             if lie:  # only evidence of lying is punished; a donor ahead of the records is merely early
@@ -190,24 +209,36 @@ class StateSync:
     def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
         """Shapes, dtype, finiteness, and the donor's hash of what it actually sent."""
         n = len(self.outer.params)
-        if len(tensors) != 2 * n or meta["param_count"] != n:
-            return f"expected {2 * n} tensors, got {len(tensors)}"
+        pending = meta.get("pending_tensors") or 0
+        if len(tensors) != 2 * n + pending or meta["param_count"] != n or pending > n:
+            return f"expected {2 * n + pending} tensors, got {len(tensors)}"
         for own, new in zip(self.outer.state_tensors(), tensors):
             if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
                 return "a tensor has the wrong shape, dtype or non-finite values"
+        # the shapes of a round's average depend on its fragment: the pipeline checks them before use
+        for new in tensors[2 * n :]:
+            if new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
+                return "its round in flight has the wrong dtype or non-finite values"
         if global_sha256(tensors[:n]) != meta["global_sha256"]:
             return "its θ_global does not match its own hash"
         return None
 
+    def _pending(self, downloaded: DownloadedState) -> list[torch.Tensor] | None:
+        """The donor's round in flight, if it sent one (checked for dtype and finiteness already)."""
+        n = len(self.outer.params)
+        return list(downloaded.tensors[2 * n :]) or None
+
     async def _adopt(self, downloaded: DownloadedState) -> bool:
         """Adopt the state; whether our progress not yet averaged was kept (rebased onto it)."""
         meta = decode_state_meta(downloaded.meta)
-        kept = await self._in_trainer(lambda: self.adopt_in_trainer(meta["outer_step"], downloaded.tensors))
+        state = downloaded.tensors[: 2 * len(self.outer.params)]
+        kept = await self._in_trainer(lambda: self.adopt_in_trainer(meta["outer_step"], state))
         self.share()
         log.info(
-            "re-synced to outer step %d from %s (θ %s)%s",
+            "re-synced to outer step %d from %s (θ %s)%s%s",
             self.outer.step, downloaded.donor, self.outer.sha256[:12],
             "" if kept is None else f", keeping our progress not yet averaged (‖Δ‖ = {kept:.4g})",
+            ", with the round it had in flight" if meta.get("pending_tensors") else "",
         )  # fmt: skip
         return kept is not None
 

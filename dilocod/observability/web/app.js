@@ -393,7 +393,7 @@ function renderOwnRounds(status) {
   $("own-rounds-section").hidden = !rounds;
   if (!rounds) return;
   $("rounds").innerHTML = rounds.slice(-30).reverse().map((r) => {
-    const good = r.result === "ok" || r.result === "alone" || r.result === "resynced";
+    const good = ["ok", "alone", "resynced", "caught_up"].includes(r.result);
     return `<tr><td>${fmtInt(r.outer_step)}</td><td class="${good ? "ok" : "bad"}">${esc(r.result)}</td>
       <td>${fmtInt(r.group_size)}</td><td>${fmt(r.seconds, 1)}</td>
       <td>${r.tokens ? `${fmtInt(r.tokens)} (${fmtInt(r.tokens_counted)})` : "–"}</td><td>${fmt(r.loss)}</td><td>${fmt(r.eval_loss)}</td>
