@@ -84,6 +84,7 @@ class FakeSync:
         self.announced: list[dict[str, Any]] = []
         self.pending: list[torch.Tensor] | None = None  # a donor's round in flight, sent with its state
         self.offered: list[tuple[int, list[torch.Tensor]]] = []  # what we offered as ours (share_pending)
+        self.announce_seconds: list[float] = []  # how long each announcement held the download back
 
     async def catch_up(
         self, min_step: int, announce: Callable[[int], Awaitable[None]] | None = None
@@ -92,7 +93,9 @@ class FakeSync:
         if not self.results:
             return SyncResult(False, start, start)
         if announce is not None:
+            began = time.monotonic()
             await announce(self.results[0])
+            self.announce_seconds.append(time.monotonic() - began)
             self.announced.append(self.state.record() if self.state is not None else {})
         step = self.results.popleft()
         self.outer.load_state(step, [*self.outer.params, *self.outer.momentum])
@@ -320,6 +323,36 @@ def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_and_then_sends
     steps = round(float(first.delta[0][0]) / 0.01)
     assert steps >= 5 and rig.state.history[2].tokens == steps * TOKENS_PER_STEP
     assert all(torch.allclose(d, torch.full_like(d, 0.01 * steps)) for d in first.delta)
+
+
+def test_with_overlap_only_a_peer_that_missed_after_a_short_re_sync_waits_for_the_round_in_flight() -> None:
+    # The run (one other trainer) is at step 7 training round 8; our re-syncs come without its round in
+    # flight. The first download goes at once. Once we have it the run is already at step 8 (we missed its
+    # group): the second download waits until the run's round in flight is done, which the run's records
+    # put at the moment round 9 opened + window 0.2 s + 2 × request timeout 0.1 s + 1 s of all-reduce.
+    rig = Rig(overlap="delayed", script=[no_group] * 10, syncs=[7, 8])
+    rig.driver.cfg = load_config(None, [
+        'outer.overlap="delayed"', "averaging.min_matchmaking_time=0.2", "averaging.request_timeout=0.1",
+        "averaging.matchmaking_timeout=10",
+    ])  # fmt: skip
+    opened: dict[int, float] = {8: time.time()}
+
+    def fresh() -> list[dict[str, Any]]:
+        step = 7 + min(len(rig.sync.announce_seconds), 1)
+        since = opened.setdefault(step + 1, time.time())
+        record = {**peer_record(step), "round": step + 1, "round_tokens": 0, "round_opened": since}
+        return [{**record, "tokens_per_second": 1.0}]
+
+    rig.view.records = lambda: _now(fresh())  # type: ignore[method-assign]
+    rig.run_until(lambda: len(rig.sync.announce_seconds) >= 2, timeout=30)
+    first, second = rig.sync.announce_seconds[:2]
+    assert first < 0.2, rig.sync.announce_seconds
+    # the wait ends 1.4 s after round 9 opened, less the moments it took us to find we were late
+    assert 0.8 < second <= 1.4 + 0.05, rig.sync.announce_seconds
+
+
+async def _now(value: T) -> T:
+    return value
 
 
 @pytest.mark.parametrize("seconds", [0.0, 0.3])

@@ -112,6 +112,8 @@ class RoundDriver:
         self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
         self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next
+        # overlap: our last re-sync came without the run's round in flight, and no round has succeeded since
+        self._synced_short = False
 
     # ---- the loop ------------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
@@ -307,6 +309,8 @@ class RoundDriver:
         self.context.contribution, self.context.outcome = round_.contribution, outcome
         self.context.sent_tokens = round_.tokens
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
+        if attempt(outcome).succeeded:
+            self._synced_short = False
         await self.parts.averaging.judge(outcome)
         facts = await self.facts()
         if not self.machine.overlapped:  # whatever came of it, the round we train next opens now
@@ -356,20 +360,23 @@ class RoundDriver:
         caught_up = False
         if self.machine.overlapped and result.pending is not None:
             caught_up = await self._adopt_in_flight(result.pending)
+        self._synced_short = self.machine.overlapped and not caught_up
         return Synced(True, self.outer.step, facts, caught_up=caught_up)
 
     async def _announce_joining(self, run_step: int) -> None:
         """Tell the run that we are downloading its θ_global of `run_step` to train round `run_step`: its
         clock keeps that round open for us (the others train on) until we have it.
 
-        With overlap the group of `run_step` forms at the close that made that state, and we cannot meet it
-        unless our download beats its matchmaking window. A donor serves that round's average with its
-        state once the round completed, so we wait for that first (`clock.in_flight_done_at`): we then apply
-        it at the run's next close, which the hold keeps open for our download, and are in the round after."""
+        With overlap the group of `run_step` forms at the close that made that state, and we meet it only if
+        our download beats its matchmaking window. A donor serves that round's average with its state once
+        the round completed. So a peer whose last re-sync came without it, and who then missed the group,
+        waits for the run's round in flight to complete before downloading (`clock.in_flight_done_at`):
+        it then applies that round at the run's next close, which the hold keeps open for the download.
+        A first download goes at once: on a fast link it makes the window, and waiting would cost a round."""
         if self.state.joining != run_step:
             self.state.joining, self.state.joining_since = run_step, time.time()
         await self._publish_quietly()
-        if self.machine.overlapped:
+        if self.machine.overlapped and self._synced_short:
             await self._until_in_flight_done(run_step)
 
     async def _until_in_flight_done(self, run_step: int) -> None:
