@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,9 @@ def parse_args() -> argparse.Namespace:
         "--repo", type=Path, default=HERE, help="the checkout whose daemon runs (default: this)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--keep", type=Path, default=None, help="keep the run directory (logs) here")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep the run directory (logs, statuses.json) here"
+    )
     return parser.parse_args()
 
 
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         statuses = [p.status() for p in s.peers]
     finally:
         s.close()
+    if args.keep is not None:  # every peer's /api/status as read, with the logs: why a round missed whom
+        (root / "statuses.json").write_text(json.dumps(statuses))
     result = summarize(args, (*harness.FAST, *args.overrides), speeds, statuses)
     # The bootstrap's cost (its DHT, relay and auxiliary reducer): CPU over the measured seconds (its tree
     # as it was at the start: children that lived throughout) and memory at the end, per peer served.
@@ -151,6 +156,7 @@ def summarize(
             statistics.mean(p["compute_utilization"] for p in peers if p["speed"] >= 1), 3
         ),
         "in_run_round": in_run_round(statuses),
+        "not_in_run_round": not_in_run_round(statuses),
         "reached_share": reached_share(statuses),
         "close_to_applied": close_to_applied(statuses),
         "matchmaking_seconds": phase_median(statuses, allreduce=False),
@@ -181,6 +187,20 @@ def in_run_round(statuses: list[dict[str, Any]]) -> float:
     entries = [e for st in statuses for e in st["rounds"] if e["outer_step"] > first]
     full = [e for e in entries if e["result"] == "ok" and e["group_size"] == len(statuses)]
     return round(len(full) / max(1, len(entries)), 3)
+
+
+def not_in_run_round(statuses: list[dict[str, Any]]) -> dict[str, int]:
+    """The peer-rounds after the first round with every peer that were not in a full successful round, by
+    what they were (`ok/3`: a successful round in a group of 3; otherwise the round's result); all of
+    them when no round ever had every peer."""
+    n, first = len(statuses), first_full_round(statuses)
+    entries = [e for st in statuses for e in st["rounds"] if first is None or e["outer_step"] > first]
+    found = Counter(
+        f"ok/{e['group_size']}" if e["result"] == "ok" else e["result"]
+        for e in entries
+        if not (e["result"] == "ok" and e["group_size"] == n)
+    )
+    return dict(found.most_common())
 
 
 def reached_share(statuses: list[dict[str, Any]]) -> float:
@@ -221,7 +241,8 @@ def main() -> None:
     print(
         f"speeds {args.speeds}, {args.seconds:.0f}s: useful compute {result['useful_compute']:.3f}, "
         f"fast peers' utilization {result['fast_utilization']:.3f}, peer-rounds in the run's round "
-        f"{result['in_run_round']:.3f} (reached θ_global: {result['reached_share']:.3f}), close to applied "
+        f"{result['in_run_round']:.3f} (reached θ_global: {result['reached_share']:.3f}; the others: "
+        f"{result['not_in_run_round']}), close to applied "
         f"{result['close_to_applied']}s (matchmaking {result['matchmaking_seconds']}s, all-reduce "
         f"{result['allreduce_seconds']}s), {result['outer_steps']} outer steps, eval loss {result['eval_loss']}; "
         f"bootstrap {result['bootstrap']}"
