@@ -43,6 +43,14 @@ def test_limiter_bounds_requests_per_ip_within_the_window() -> None:
     assert limiter.allow("192.0.0.140", now=61)  # the window slid past the first request
 
 
+def test_the_default_limit_admits_a_swarm_behind_one_address() -> None:
+    # 16 loopback peers starting together (and restarts) once hit a limit of 6 a minute: the refused ones
+    # took "rate limited" for "private" and ran in client mode. 32 peers plus a restart each must pass.
+    limiter = DialBackLimiter()
+    assert all(limiter.allow("127.0.0.1", now=i / 100) for i in range(64))
+    assert not limiter.allow("127.0.0.1", now=1.0)
+
+
 def test_requests_are_validated_and_bounded() -> None:
     assert _ports([4001, 4001, 5000]) == [4001, 5000]
     assert len(_ports(list(range(1000, 1100)))) == MAX_PORTS
