@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dilocod.statesync.ledger import expected_hash, remember_hashes
+from dilocod.statesync.ledger import (
+    LIE,
+    SPLIT,
+    expected_hash,
+    minority_holders,
+    remember_hashes,
+    served_verdict,
+)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -40,6 +47,28 @@ def test_a_tie_holds_nobody_to_either_hash() -> None:
     assert expected_hash(seen, 5, "donor") is None  # no majority to call the donor a liar by
     remember_hashes(seen, [record("p5", 5, A)])
     assert expected_hash(seen, 5, "donor") == A
+
+
+def test_a_donor_that_holds_a_minority_theta_it_reports_is_skipped_not_called_a_liar() -> None:
+    seen: dict[int, dict[str, str]] = {}
+    # Two groups averaged apart at step 4: three peers hold A, the split-off donor B (and says so).
+    remember_hashes(seen, [record("p1", 4, A), record("p2", 4, A), record("p3", 4, A), record("split", 4, B)])
+    remember_hashes(seen, [record("liar", 4, A)])
+    table = [
+        ("p1", A, None),  # the run's θ: adopted
+        ("split", B, (SPLIT, False)),  # serves what it reports: refused, not punished
+        ("liar", C, (LIE, True)),  # reports A, serves C
+        ("silent", C, (LIE, True)),  # serves a θ it never reported
+    ]
+    for donor, served, verdict in table:
+        assert served_verdict(seen, 4, donor, served, A) == verdict, donor
+    assert minority_holders(seen) == ["split"]  # not worth a download
+    remember_hashes(seen, [record("split", 4, A)])  # it re-synced to the run's θ
+    assert minority_holders(seen) == []
+    remember_hashes(seen, [record("p1", 5, C), record("p2", 5, B)])
+    assert minority_holders(seen) == []  # one against one at step 5: nobody is held to either
+    remember_hashes(seen, [record("p3", 5, C)])
+    assert minority_holders(seen) == ["p2"]
 
 
 def test_a_peer_that_re_synced_at_a_step_counts_once_with_its_latest_hash() -> None:

@@ -24,7 +24,7 @@ import torch
 
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress, rebase
-from dilocod.statesync.ledger import expected_hash, remember_hashes
+from dilocod.statesync.ledger import expected_hash, minority_holders, remember_hashes, served_verdict
 from dilocod.trainer import InnerTrainer
 from dilocod.trust.adversary import Adversary
 from peers.group import DownloadedState, GroupAverager
@@ -145,7 +145,7 @@ class StateSync:
             return None
         if announce is not None:
             await announce(best)
-        tried: list[str] = self._banned()
+        tried: list[str] = [*self._banned(), *minority_holders(self.seen)]
         for _ in range(DOWNLOAD_ATTEMPTS):
             # The run moves on while a state downloads; the records read meanwhile say what θ the peers
             # held at the step the donor sends, which the donor's state is checked against.
@@ -198,9 +198,7 @@ class StateSync:
             await self.others()
             agreed = expected_hash(self.seen, step, downloaded.donor)
             if agreed is not None:
-                if agreed != meta["global_sha256"]:
-                    return "its θ_global is not the one most peers report for that step", True
-                return None
+                return served_verdict(self.seen, step, downloaded.donor, meta["global_sha256"], agreed)
             if time.monotonic() >= deadline:
                 break
             await asyncio.sleep(min(RECORD_POLL_SECONDS, self.cfg.net.status_interval))

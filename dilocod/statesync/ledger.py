@@ -39,3 +39,41 @@ def expected_hash(seen: dict[int, dict[str, str]], step: int, donor: str) -> str
         return str(vote.winner)
     own = reports.get(donor)
     return own if own in tied else None
+
+
+SPLIT = "its θ_global is one fewer peers report for that step (its group split from the run's): skipped"
+LIE = "its θ_global is not the one most peers report for that step"
+
+
+def served_verdict(
+    seen: dict[int, dict[str, str]], step: int, donor: str, served: str, agreed: str
+) -> tuple[str, bool] | None:
+    """None when the θ hash a donor served at `step` is `agreed` (what most peers report); else why it is
+    refused and whether that proves a lie. A donor whose own record reports the θ it served holds a
+    minority θ_global: its group averaged apart from the run's (two groups at one step, on a loaded
+    machine or a lagging DHT view) and it re-syncs itself soon. That is no lie: banning it for an hour
+    kept honest peers out of later groups, which split them again (6 false bans in 3 minutes at 16
+    peers). A donor that reports one θ and serves another, or serves a θ it never reported, lies."""
+    if served == agreed:
+        return None
+    if seen.get(step, {}).get(donor) == served:
+        return SPLIT, False
+    return LIE, True
+
+
+def minority_holders(seen: dict[int, dict[str, str]]) -> list[str]:
+    """Peers whose latest reported θ hash is outvoted at that step, their own report counted (a tie holds
+    nobody): their state would be refused (`served_verdict`), so a re-syncing peer does not spend a
+    download on them."""
+    latest: dict[str, int] = {}
+    for step, reports in seen.items():
+        for peer in reports:
+            latest[peer] = max(step, latest.get(peer, step))
+    found = []
+    for peer, step in sorted(latest.items()):
+        hashes = list(seen[step].values())
+        vote = plurality(hashes)
+        tied = vote is not None and sum(votes_for(hashes, h) == vote.votes for h in set(hashes)) > 1
+        if vote is not None and not tied and seen[step][peer] != vote.winner:
+            found.append(peer)
+    return found
