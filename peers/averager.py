@@ -164,22 +164,26 @@ class RunAverager(StateDonors):
         self._matchmaking.banned = frozenset(banned)
         future.set_result(None)
 
-    def set_group_target(self, trainers: int | None) -> None:
+    def set_group_target(self, trainers: int | None, window: float | None = None) -> None:
         """Form groups of up to this many members from the next round on (None: the configured size).
         A group that is full starts its all-reduce at once instead of waiting out the matchmaking window,
-        so the daemon sets it to the live trainers of the run (plus auxiliary reducers) every round."""
+        so the daemon sets it to the live trainers of the run (plus auxiliary reducers) every round.
+        `window`: the leader's matchmaking window for such a group (None: the configured one)."""
         future: MPFuture = MPFuture()
-        self._outer_pipe.send(("_set_group_target", [], dict(size=trainers, future=future)))
+        self._outer_pipe.send(("_set_group_target", [], dict(size=trainers, window=window, future=future)))
         future.result(timeout=10)
 
-    async def _set_group_target(self, size: int | None, future: MPFuture) -> None:
+    async def _set_group_target(self, size: int | None, window: float | None, future: MPFuture) -> None:
         matchmaking = self._matchmaking
         if not hasattr(self, "_configured_group_size"):
             self._configured_group_size = matchmaking.target_group_size
+            self._configured_window = matchmaking.min_matchmaking_time
         target = self._configured_group_size if size is None else max(2, int(size))
         matchmaking.target_group_size = target
         matchmaking.potential_leaders.target_group_size = target
         matchmaking.group_key_manager.target_group_size = target
+        seconds = self._configured_window if window is None else float(window)
+        matchmaking.min_matchmaking_time = matchmaking.potential_leaders.min_matchmaking_time = seconds
         future.set_result(None)
 
     def set_deadlines(self, allreduce_timeout: float) -> None:

@@ -14,7 +14,7 @@ from peers.averager import RunAverager
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.errors import PeersError
 from peers.forking import freeze_before_fork
-from peers.grouping import chunk_timeout, round_group_bits
+from peers.grouping import chunk_timeout, matchmaking_window, round_group_bits
 from peers.node import Node, stop_child
 from peers.partreduce import PartCheck, PartReduce
 from peers.statedonors import StateProvider
@@ -119,6 +119,16 @@ class GroupAverager:
             )
         )
         self._allreduce_deadline = options.allreduce_timeout  # what the averager process uses now
+        self._window = options.min_matchmaking_time  # the leader's matchmaking window for the group target
+
+    @property
+    def matchmaking_deadline(self) -> float:
+        """The next round's matchmaking deadline: the adaptive one, but never shorter than the window for
+        the group we aim for (the adaptive floor is the configured window's) plus two requests' slack."""
+        opts = self.options
+        return min(
+            opts.matchmaking_timeout, max(self.deadlines.matchmaking, self._window + 2 * opts.request_timeout)
+        )
 
     def start(self) -> None:
         """Fork the averager process (blocking; call from an executor)."""
@@ -206,9 +216,13 @@ class GroupAverager:
         bits = round_group_bits(round_index, codec_name, chosen, self.options.run_tag)
         await loop.run_in_executor(None, averager.set_group_bits, bits)
         if group_target != self._group_target:
-            await loop.run_in_executor(None, averager.set_group_target, group_target)
+            opts = self.options
+            self._window = matchmaking_window(
+                opts.min_matchmaking_time, group_target, opts.matchmaking_timeout, opts.request_timeout
+            )
+            await loop.run_in_executor(None, averager.set_group_target, group_target, self._window)
             self._group_target = group_target
-        matchmaking, allreduce = self.deadlines.matchmaking, self.deadlines.allreduce
+        matchmaking, allreduce = self.matchmaking_deadline, self.deadlines.allreduce
         if allreduce != self._allreduce_deadline:
             await loop.run_in_executor(None, averager.set_deadlines, allreduce)
             self._allreduce_deadline = allreduce

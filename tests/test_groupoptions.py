@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dilocod.config import load_config
 from dilocod.processes.groupoptions import averaging_options
+from peers.grouping import matchmaking_window
 
 
 def test_aux_reducers_match_the_peers_except_for_their_seat_and_checks() -> None:
@@ -27,3 +28,16 @@ def test_the_undefended_mean_has_no_receiver_check_and_adversaries_are_opt_in() 
     assert averaging_options(cfg, "client").check_part is None
     assert averaging_options(cfg, "node").corrupt_reductions is False
     assert averaging_options(cfg, "node", corrupt_reductions=True).corrupt_reductions is True
+
+
+def test_the_matchmaking_window_grows_with_the_group_it_waits_for() -> None:
+    # (configured window, members expected, matchmaking timeout, request timeout) → the leader's window
+    table = [
+        ((1.5, None, 8.0, 1.0), 1.5),  # no target known yet: as configured
+        ((1.5, 4, 8.0, 1.0), 1.5),  # a small group: as configured
+        ((1.5, 17, 8.0, 1.0), 4.25),  # 16 trainers and the bootstrap: 0.25 s each
+        ((1.5, 33, 8.0, 1.0), 6.0),  # capped so matchmaking can end within its timeout (8 − 2 × 1)
+        ((5.0, 17, 10.0, 3.0), 5.0),  # never below the configured window, even past that cap
+    ]
+    for args, window in table:
+        assert matchmaking_window(*args) == window, args

@@ -186,3 +186,16 @@ def test_the_round_in_flight_is_done_after_its_window_and_the_longest_recent_exc
     assert clock.in_flight_done_at(100.0, 2.0, 1.0, [math.nan, 0.0]) == 105.0
     assert clock.in_flight_done_at(None, 2.0, 1.0, [0.3]) is None  # nobody says when the round opened
     assert clock.in_flight_done_at(math.inf, 2.0, 1.0, [0.3]) is None
+
+
+def test_the_group_waits_for_the_last_groups_members_when_records_go_stale() -> None:
+    # (trainers the records show, auxiliary reducers, members of our last successful group) → target
+    table = [
+        ((4, 1, 0), 5),  # no successful round yet: the records decide
+        ((4, 1, 5), 5),  # the same run as last round
+        ((8, 1, 17), 17),  # half the records stale on a loaded machine: still wait for all 16 + 1
+        ((17, 1, 17), 18),  # a peer joined
+        ((3, 0, 4), 4),  # a peer left: this round waits the window once, and forms with 3
+    ]
+    for args, target in table:
+        assert clock.group_target(*args) == target, args

@@ -279,7 +279,7 @@ class PeerDaemon:
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce
-            status["matchmaking_deadline"] = round(group.deadlines.matchmaking, 3)
+            status["matchmaking_deadline"] = round(group.matchmaking_deadline, 3)
             status["allreduce_deadline"] = round(group.deadlines.allreduce, 3)
         return status
 

@@ -225,6 +225,17 @@ def in_flight_done_at(
     return opened + window + 2 * request_timeout + exchange
 
 
+def group_target(expected_trainers: int, helpers: int, last_group: int) -> int:
+    """How many members the coming group waits for (a full group starts at once; one short waits out the
+    matchmaking window): the trainers the records show in our round (fresh, arriving or joining, us
+    included) and the auxiliary reducers — but no fewer than our last successful group held. On a loaded
+    machine or a slow DHT, records go stale for seconds while their peers train on; a leader that counted
+    only the fresh ones started with half the run, and the late half formed a second group (16 peers on 2
+    cores: groups of 8 + 8, then re-syncs). A peer that really left costs one window: the group that forms
+    without it is the new last group."""
+    return max(expected_trainers + helpers, last_group)
+
+
 def should_stop(close_at: float, now: float, seconds_per_step: float | None) -> bool:
     """Whether a trainer stops before its next inner step: when that step would end nearer the close
     than after it (so a slow peer overshoots by at most half a step, and reaches matchmaking with the

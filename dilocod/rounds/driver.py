@@ -47,6 +47,7 @@ from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from peers.group import RoundOutcome
+from peers.grouping import matchmaking_window
 from proto import encode_ticket
 
 log = logging.getLogger("dilocod.rounds")
@@ -311,6 +312,7 @@ class RoundDriver:
         self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
         if attempt(outcome).succeeded:
             self._synced_short = False
+            self.timer.last_group = outcome.group_size
         await self.parts.averaging.judge(outcome)
         facts = await self.facts()
         if not self.machine.overlapped:  # whatever came of it, the round we train next opens now
@@ -383,7 +385,10 @@ class RoundDriver:
         opened = await self.timer.run_opened(run_step + 1)  # the round the run trains while it averages
         recent = [e.allreduce_seconds for e in list(self.state.history)[-8:] if e.result == "ok"]
         cfg = self.cfg.averaging
-        ready = clock.in_flight_done_at(opened, cfg.min_matchmaking_time, cfg.request_timeout, recent)
+        window = matchmaking_window(
+            cfg.min_matchmaking_time, self.timer.group_target, cfg.matchmaking_timeout, cfg.request_timeout
+        )
+        ready = clock.in_flight_done_at(opened, window, cfg.request_timeout, recent)
         if ready is not None:
             await asyncio.sleep(min(max(0.0, ready - time.time()), cfg.state_timeout / 2))
 

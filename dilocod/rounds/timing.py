@@ -38,6 +38,7 @@ class RoundTimer:
         self.left_behind = False  # the run is past our round: stop now
         self.hold = False  # train to the clock's close even if the run is past our round
         self.group_target = 2
+        self.last_group = 0  # members of our last successful round's group
         self.seconds_per_step: float | None = None  # set as the trainer times its steps
 
     def reset(self, hold: bool = False) -> None:
@@ -79,7 +80,7 @@ class RoundTimer:
         # downloading the state to join it is awaited by the clock: the group waits for both (at most the
         # matchmaking window) rather than forming without them.
         expected = len(live) + len(arriving) + len(joiners) + 1
-        self.group_target = expected + len(await self.view.helpers())
+        self.group_target = clock.group_target(expected, len(await self.view.helpers()), self.last_group)
         close = clock.estimate_close([*live, own], self.settings, now, opened, arriving, joiners)
         self.close_at = close.at
         self.state.round_closes_at = close.at
