@@ -74,10 +74,10 @@ def test_only_the_requesters_own_direct_address_is_dialled() -> None:
 # ---- real p2pd on loopback -------------------------------------------------------------------------------
 
 
-async def _with_prober(test: Callable[[str], object]) -> None:
+async def _with_prober(test: Callable[[str], object], limiter: DialBackLimiter | None = None) -> None:
     prober = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
     try:
-        await serve_dialback(prober)
+        await serve_dialback(prober, limiter)
         maddr = f"{(await prober.get_visible_maddrs())[0]}"
         await test(maddr)  # type: ignore[misc]
     finally:
@@ -101,6 +101,28 @@ def test_dialback_reaches_a_listening_port_and_not_a_closed_one() -> None:
             await asker.shutdown()
 
     asyncio.run(_with_prober(check))
+
+
+class FirstRefused(DialBackLimiter):
+    def allow(self, ip: str, now: float | None = None) -> bool:
+        if not getattr(self, "refused", False):
+            self.refused = True
+            return False
+        return super().allow(ip, now)
+
+
+def test_a_prober_that_rate_limited_us_is_asked_again_before_we_call_ourselves_private() -> None:
+    # The prober refuses our first request (its budget for our address was spent by a neighbour) and
+    # answers the next. Taking "rate limited" for "private" kept 10 of 16 peers in client mode.
+    limiter = FirstRefused()
+
+    async def check(maddr: str) -> None:
+        port = free_tcp_port("127.0.0.1")
+        found = await detect_reachability([maddr], "127.0.0.1", port, timeout=10)
+        assert found.public and found.reached == (port,), found
+
+    asyncio.run(_with_prober(check, limiter))
+    assert limiter.refused
 
 
 def test_no_answering_bootstrap_means_private_with_the_reason() -> None:
