@@ -15,9 +15,8 @@ from hivemind.averaging.load_balancing import hagenbach_bishoff
 # Seconds of matchmaking window per expected member. A leader admits its followers one join request at a
 # time, and followers find leaders through DHT lookups, so gathering a group takes longer the more members
 # it needs. A group that has them all starts at once, so a longer window costs only when someone expected
-# does not come. Measured (bench/hetero.py, 16 peers on 2 cores): with a 1.5 s window the run's rounds split
-# into groups of 7 + 5 + 3 that then re-synced one another (12.5 % of peer-rounds in a round with all 16);
-# with 4 s every round after the first full one had all 16.
+# does not come. Measured (bench/hetero.py, 16 public peers on 2 cores, with the last-group floor of
+# `clock.group_target`): successful groups of 3 members (median) with the 1.5 s window, 8-10 with it grown.
 WINDOW_PER_MEMBER = 0.25
 
 
