@@ -158,9 +158,10 @@ def peer_record(step: int) -> dict[str, Any]:
 
 class Rig:
     def __init__(self, overlap: str = "none", script: list[Callable[[Contribution], RoundOutcome]] | None = None,
-                 syncs: list[int] | None = None) -> None:  # fmt: skip
+                 syncs: list[int] | None = None, sets: tuple[str, ...] = ()) -> None:  # fmt: skip
         cfg = load_config(
-            None, [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10", "trainer.eval_every=1"]
+            None,
+            [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10", "trainer.eval_every=1", *sets],
         )
         self.state = PeerState(peer_id="me", run_id=cfg.run.id)
         self.outer = OuterOptimizer([torch.ones(4), torch.zeros(3)], cfg.outer)
@@ -330,11 +331,8 @@ def test_with_overlap_only_a_peer_that_missed_after_a_short_re_sync_waits_for_th
     # flight. The first download goes at once. Once we have it the run is already at step 8 (we missed its
     # group): the second download waits until the run's round in flight is done, which the run's records
     # put at the moment round 9 opened + window 0.2 s + 2 × request timeout 0.1 s + 1 s of all-reduce.
-    rig = Rig(overlap="delayed", script=[no_group] * 10, syncs=[7, 8])
-    rig.driver.cfg = load_config(None, [
-        'outer.overlap="delayed"', "averaging.min_matchmaking_time=0.2", "averaging.request_timeout=0.1",
-        "averaging.matchmaking_timeout=10",
-    ])  # fmt: skip
+    sets = ("averaging.min_matchmaking_time=0.2", "averaging.request_timeout=0.1")
+    rig = Rig(overlap="delayed", script=[no_group] * 10, syncs=[7, 8], sets=sets)
     opened: dict[int, float] = {8: time.time()}
 
     def fresh() -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 REPEAT_IS_ECHO_SECONDS = 2.0
 STOP_GRACE_SECONDS = (
-    15.0  # how long a running all-reduce may finish after a stop signal (peers: rounds/driver.py)
+    15.0  # how long a running all-reduce may finish after a stop signal (peers: rounds/exchange.py)
 )
 
 

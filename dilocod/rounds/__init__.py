@@ -7,6 +7,7 @@
 - `pipeline.py`: the tensor side of a round for every overlap mode (runs in the trainer thread);
 - `ports.py`: the small protocols the daemon hands the driver (training, averaging, state sync, run
   view, publisher); `driver.py` runs the machine through them, with `effects.py` (what a decision does),
-  `timing.py` (the clock while training) and `observe.py` (reading the run for a decision).
+  `exchange.py` (a round's averaging: ticket, group, outcome), `joining.py` (a re-sync announced to the
+  run's clock), `timing.py` (the clock while training) and `observe.py` (reading the run for a decision).
 Nothing here imports the daemon (`dilocod.processes`).
 """

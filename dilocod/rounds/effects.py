@@ -258,3 +258,12 @@ class Effects:
 async def cancelled_quietly(task: asyncio.Task[object]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def published_quietly(publisher: Publisher) -> None:
+    """Publish our record now; a DHT hiccup is not an error (the periodic record follows within a status
+    interval)."""
+    try:
+        await publisher.publish()
+    except Exception as e:
+        log.debug("status publish failed: %r", e)
