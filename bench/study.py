@@ -13,11 +13,11 @@ flight. Each DiLoCo cell is compared with the dp baseline of its M, inner optimi
 seeds both have (a seed fixes the model init, the shards, the batches and the eval set of both).
 
 The cells are issue 16's: dp against DiLoCo M ∈ {2, 4, 8} × H ∈ {10, 50, 200} at 5 M tokens (2 seeds)
-with the default outer step (the plain average: lr 1, no momentum); at M = 4 the same H with DiLoCo's
-published step (`-nag`: lr 0.7, Nesterov momentum 0.9, the default before this study) and, at H = 50,
-its outer lr 0.4 and 1.0; at M = 4, H = 50: Muon (against a Muon dp), int8/int4/int2 with error
+with the default outer step (the plain average: lr 1, no momentum), at M = 4 also H = 20 (configs/tiny.toml's
+default) and H = 5; at M = 4 the same H with DiLoCo's published step (`-nag`: lr 0.7, Nesterov momentum
+0.9, the default before this study) and, at H = 50, its outer lr 0.4 and 1.0; at M = 4, H = 50: Muon (against a Muon dp), int8/int4/int2 with error
 feedback, streaming and delayed overlap, replica speeds 1, 1, 1/1.5, 1/3 with token weights; and the
-headline M = 4 cells at 10 M tokens with 3 seeds.
+headline M = 4 cells (dp, H = 50, H = 10) at 10 M tokens with 3 seeds.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ def cells(scale: float = 1.0) -> list[Cell]:
     m4, m10 = round(5_000_000 * scale), round(10_000_000 * scale)
     found = [Cell("m4-dp", m4, 4, two, dp=True)]
     # the default outer step (configs/tiny.toml: lr 1, no momentum, the replicas' plain average)
-    found += [Cell(f"m4-h{h}", m4, 4, two, overrides=(f"trainer.inner_steps={h}",)) for h in (10, 50, 200)]
+    # H = 20 is configs/tiny.toml's default and H = 5 shows how the gap closes with more frequent rounds
+    found += [
+        Cell(f"m4-h{h}", m4, 4, two, overrides=(f"trainer.inner_steps={h}",)) for h in (10, 50, 200, 20, 5)
+    ]
     h50 = ("trainer.inner_steps=50",)
     nag = ("outer.lr=0.7", "outer.momentum=0.9")  # DiLoCo's published step (the default before this study)
     found += [
@@ -89,6 +92,7 @@ def cells(scale: float = 1.0) -> list[Cell]:
     found += [
         Cell("10m-m4-dp", m10, 4, three, dp=True),
         Cell("10m-m4-h50", m10, 4, three, overrides=h50),
+        Cell("10m-m4-h10", m10, 4, three, overrides=("trainer.inner_steps=10",)),
     ]
     return found
 
