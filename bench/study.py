@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "study"
-SETS = ("trainer.threads=1", "trainer.eval_batches=32")  # eval on 32 × 16 × 128 held-out tokens
+# eval on 32 × 16 × 128 held-out tokens; fp32 parts unless a cell sets a codec (the study measures them)
+SETS = ("trainer.threads=1", "trainer.eval_batches=32", "averaging.compression=none")
 
 
 @dataclass(frozen=True)

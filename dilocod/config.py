@@ -80,7 +80,7 @@ class AveragingConfig:
     clip_tol: float = 1e-6
     screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
     ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
-    compression: str = "none"  # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts travel
+    compression: str = "int4"  # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts travel
     # Deadlines follow recent rounds: factor × the longest of the last 8 successful ones, between a floor
     # and the timeouts above (the ceilings). See peers/deadlines.py.
     adaptive_deadlines: bool = True

@@ -24,7 +24,7 @@ from tests.harness import FAST, REPO, Swarm, get_json, round_hashes, wait_for
 pytestmark = pytest.mark.integration
 
 # Non-default run-wide settings (with FAST's H = 5): a newcomer with the defaults could not average.
-RUN = ("averaging.compression=int4", "averaging.reducer=trimmed_mean")
+RUN = ("averaging.compression=int2", "averaging.reducer=trimmed_mean")
 
 
 def dilocod(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -45,7 +45,7 @@ def test_a_bare_join_trains_in_the_run_and_the_bootstrap_keeps_its_home(
     s = swarm(0, *RUN, bootstrap=False)
     s.start_bootstrap("dilocod", "--run-dir", str(home))
     manifest = manifest_of(s)
-    assert manifest["settings"]["averaging"]["compression"] == "int4"  # type: ignore[index]
+    assert manifest["settings"]["averaging"]["compression"] == "int2"  # type: ignore[index]
     configured = s.add_peer()
     bare = s.add_peer(bare=True)  # `dilocod join <maddr>`: no config, no --set
 
@@ -55,14 +55,14 @@ def test_a_bare_join_trains_in_the_run_and_the_bootstrap_keeps_its_home(
     )
     assert refused.returncode == 2, refused.stderr
     assert (
-        "dilocod: error: averaging.compression: the run uses int4, you set none"
+        "dilocod: error: averaging.compression: the run uses int2, you set none"
         in refused.stderr.splitlines()
     )
 
     statuses = s.wait_all_at(3, timeout=240)
     assert {st["manifest_hash"] for st in statuses} == {manifest["manifest_hash"]}
     head = (
-        f"joined run 'dilocod' (manifest {str(manifest['manifest_hash'])[:12]}: tiny, H=5, int4, trimmed_mean"
+        f"joined run 'dilocod' (manifest {str(manifest['manifest_hash'])[:12]}: tiny, H=5, int2, trimmed_mean"
     )
     assert head in bare.output()
     for step, found in round_hashes(statuses).items():

@@ -222,16 +222,22 @@ def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm])
         f"no round had all 3 peers agreeing: {dict(counts)}\n{round_results(met)}"
     )
 
-    # Each fragment round carried about that fragment's bytes, far less than the model's.
+    # Each fragment round carried about that fragment's bytes in the run's codec, far less than the model's.
     sizes = [shape.numel() for shape in parameter_shapes("tiny")]
     fragments = split_fragments(sizes, F)
+    codec = load_config(s.config, s.overrides).averaging.wire_codec()
+
+    def wire_bytes(numel: int) -> int:
+        return 4 * numel if codec is None else codec.encoded_size(numel)
+
     for status in statuses:
         for entry in status["rounds"]:
             if entry["result"] != "ok":
                 continue
-            fragment_bytes = 4 * sum(sizes[i] for i in fragments[fragment_of(entry["outer_step"] - 1, F)])
+            fragment = sum(sizes[i] for i in fragments[fragment_of(entry["outer_step"] - 1, F)])
+            fragment_bytes = wire_bytes(fragment)
             assert 0.5 * fragment_bytes <= entry["bytes_sent"] <= 2 * fragment_bytes, (entry, fragment_bytes)
-            assert entry["bytes_sent"] < 0.7 * 4 * sum(sizes)
+            assert entry["bytes_sent"] < 0.7 * wire_bytes(sum(sizes))
 
     # The loss fell over the first 12 fragment rounds (a history holds the last 100 rounds: later reads
     # may no longer hold the first).
