@@ -39,7 +39,7 @@ from dilocod.rounds.events import (
     Synced,
     Train,
 )
-from dilocod.rounds.exchange import STOP_GRACE_SECONDS, Exchange, InFlight, already, attempt
+from dilocod.rounds.exchange import Exchange, InFlight, already, attempt
 from dilocod.rounds.joining import Joining
 from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
@@ -100,16 +100,9 @@ class RoundDriver:
         )  # fmt: skip
         self.facts = self.observer.facts
         self.exchange = Exchange(
-            cfg,
-            state,
-            outer,
-            pipeline,
-            tokens,
-            self.timer,
-            bans,
-            (parts.training, parts.averaging),
-            adversary,
-        )
+            cfg, state, outer, pipeline, tokens, self.timer, bans,
+            training=parts.training, averaging=parts.averaging, adversary=adversary,
+        )  # fmt: skip
         self.joining = Joining(cfg.averaging, state, self.timer, parts.publisher, machine.overlapped)
         self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
@@ -136,7 +129,7 @@ class RoundDriver:
                 await self._effect(effect)
             if isinstance(command, Stop):
                 round_, self._in_flight = self._in_flight, None
-                await self.exchange.drain(round_, STOP_GRACE_SECONDS)
+                await self.exchange.drain(round_)
                 return
             # A stop is seen by every command before it starts new work; a round that completes during a
             # stop is still applied (its group applies it too), then the next command sees the stop.

@@ -47,12 +47,14 @@ class Exchange:
         tokens: TokenLedger,
         timer: RoundTimer,
         bans: BanList,
-        ports: tuple[Training, Averaging],
+        *,
+        training: Training,
+        averaging: Averaging,
         adversary: Adversary | None = None,
     ) -> None:
         self.cfg, self.state, self.outer, self.pipeline = cfg, state, outer, pipeline
         self.tokens, self.timer, self.bans, self.adversary = tokens, timer, bans, adversary
-        self.training, self.averaging = ports
+        self.training, self.averaging = training, averaging
 
     async def start(self) -> InFlight:
         """Take our contribution from the trainer and ask the network for a group to average it in."""
