@@ -235,6 +235,23 @@ def _per_token(units: dict[int, Unit], seeds: Sequence[int]) -> float:
     return sum(units[s].bytes_sent for s in seeds) / max(1, sum(units[s].tokens for s in seeds))
 
 
+def _paired(
+    out: Path, cell: Cell, every: Sequence[Cell]
+) -> tuple[dict[int, Unit], dict[int, Unit], list[int]]:
+    """A cell's finished units, its baseline's, and the seeds both have (no baseline for a dp cell)."""
+    runs = load(out, cell)
+    base = baseline_of(cell, every)
+    base_runs = load(out, base) if base is not None and not cell.dp else {}
+    return runs, base_runs, sorted(set(runs) & set(base_runs))
+
+
+def _bytes_ratio(runs: dict[int, Unit], base_runs: dict[int, Unit], paired: Sequence[int]) -> str:
+    if not paired:
+        return "-"
+    mine, theirs = _per_token(runs, paired), _per_token(base_runs, paired)
+    return f"1/{theirs / mine:,.0f}" if mine else "0"
+
+
 def report(out: Path, scale: float) -> str:
     """Markdown: each cell's eval loss over its seeds, and its per-seed ratio to its dp baseline."""
     every = cells(scale)
@@ -244,23 +261,34 @@ def report(out: Path, scale: float) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in every:
-        runs = load(out, cell)
+        runs, base_runs, paired = _paired(out, cell, every)
         if not runs:
             continue
-        base = baseline_of(cell, every)
-        base_runs = load(out, base) if base is not None and not cell.dp else {}
-        paired = sorted(set(runs) & set(base_runs))
         ratios = [runs[s].eval_loss / base_runs[s].eval_loss for s in paired]
-        byte_ratio = "-"
-        if paired:
-            mine, theirs = _per_token(runs, paired), _per_token(base_runs, paired)
-            byte_ratio = f"1/{theirs / mine:,.0f}" if mine else "0"
         first = next(iter(runs.values()))
         losses = [r.eval_loss for r in runs.values()]
         lines.append(
             f"| {cell.name} | {first.variant} | {cell.replicas} | {first.tokens:,} | {len(runs)} "
-            f"| {first.outer_steps} | {_mean_sd(losses)} | {_mean_sd(ratios)} | {byte_ratio} |"
+            f"| {first.outer_steps} | {_mean_sd(losses)} | {_mean_sd(ratios)} "
+            f"| {_bytes_ratio(runs, base_runs, paired)} |"
         )
+    return "\n".join(lines)
+
+
+def report_per_seed(out: Path, scale: float) -> str:
+    """Markdown: every DiLoCo cell's ratio to its baseline, one column per seed (the spread made visible)."""
+    every = cells(scale)
+    most = max(len(c.seeds) for c in every)
+    head = " | ".join(f"seed {s}" for s in range(most))
+    lines = [f"| cell | {head} | bytes/token vs dp |", "|---|" + "---|" * (most + 1)]
+    for cell in every:
+        runs, base_runs, paired = _paired(out, cell, every)
+        if cell.dp or not runs:
+            continue
+        cols = [
+            f"{runs[s].eval_loss / base_runs[s].eval_loss:.4f}" if s in paired else "-" for s in range(most)
+        ]
+        lines.append(f"| {cell.name} | {' | '.join(cols)} | {_bytes_ratio(runs, base_runs, paired)} |")
     return "\n".join(lines)
 
 
@@ -284,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         print(report(args.out, args.scale))
+        print()
+        print(report_per_seed(args.out, args.scale))
         return 0
     if args.command == "unit":
         by_name = {c.name: c for c in cells(args.scale)}

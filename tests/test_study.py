@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.study import Cell, baseline_of, cells, pending, report, unit_path
+from bench.study import Cell, baseline_of, cells, pending, report, report_per_seed, unit_path
 
 
 def _write(out: Path, cell: Cell, seed: int, loss: float, bytes_sent: int) -> None:
@@ -56,3 +56,16 @@ def test_report_pairs_each_seed_with_its_baseline(tmp_path: Path) -> None:
     assert "1.0150 ± 0.0071" in row  # ratios 1.01 and 1.02
     assert "1/2,000" in row
     assert "m4-h10" not in text  # nothing finished
+
+
+def test_per_seed_report_shows_each_seeds_ratio_and_what_is_missing(tmp_path: Path) -> None:
+    every = {c.name: c for c in cells()}
+    _write(tmp_path, every["m4-dp"], 0, 2.0, 4000)
+    _write(tmp_path, every["m4-dp"], 1, 2.2, 4000)
+    _write(tmp_path, every["m4-h50"], 0, 2.02, 2)
+    _write(tmp_path, every["m4-h10"], 1, 2.31, 20)  # its seed 0 not finished
+    text = report_per_seed(tmp_path, 1.0)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines()}
+    assert rows["| m4-h50"] == "| m4-h50 | 1.0100 | - | - | 1/2,000 |"
+    assert rows["| m4-h10"] == "| m4-h10 | - | 1.0500 | - | 1/200 |"
+    assert "| m4-dp" not in rows  # a baseline has no ratio of its own
