@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import cast
 
@@ -55,6 +56,8 @@ from peers.wirecodec import (
 # (see `ExactAllReduceRunner.rpc_aggregate_part`): a sender closes it as soon as that average is in, so this
 # bound only matters for a sender that died or hangs.
 LINGER_SECONDS = 30.0
+
+log = logging.getLogger("peers.allreduce")
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -185,6 +188,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         expected = self.parts_for_local_averaging[part_index].shape
         weight = self.sender_weights[sender_index]
         if part.shape != expected or part.dtype != torch.float32 or not bool(torch.isfinite(part).all()):
+            why = "did not decode" if part.shape != expected else "holds NaN/Inf"
+            log.warning("part %d from %s %s: screened out", part_index, self.sender_peer_ids[sender_index], why)
             self.screened_parts += 1
             self.screened_senders.add(sender_index)
             return torch.zeros(expected), 0.0

@@ -8,12 +8,15 @@ these reducers inside hivemind's butterfly all-reduce.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
 from peers.wirecodec import PartCodec, requantize
+
+log = logging.getLogger("peers.partreduce")
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 """(stacked [n, d], weights [n] ≥ 0, the largest 1) → (reduced [d], indices of senders found faulty)."""
@@ -99,6 +102,13 @@ class BufferingReducer(TensorPartReducer):
             stacked = torch.stack([self.contributions[i][0].reshape(-1) for i in order])
             weights = torch.tensor([self.contributions[i][1] for i in order], dtype=torch.float32)
             reduced, faulty = self.reduce_part(stacked, weights)
+            if faulty:  # the evidence, in the log, for the ban that follows (a false one must be traceable)
+                log.warning(
+                    "part %d: sender(s) %s dropped as faulty; every sender's (index, weight, norm): %s",
+                    self.current_part_index,
+                    [order[i] for i in faulty],
+                    _row_summary(order, stacked, weights),
+                )
             self.faulty_senders.update(order[i] for i in faulty)
             result = reduced.reshape(shape).to(torch.float32)
         else:
@@ -108,3 +118,10 @@ class BufferingReducer(TensorPartReducer):
             result, self.payloads[self.current_part_index] = requantize(self.codec, result)
         self.current_part_future.set_result(result)
         self.reset_accumulators()
+
+
+def _row_summary(order: Sequence[int], stacked: torch.Tensor, weights: torch.Tensor) -> str:
+    norms = torch.linalg.vector_norm(stacked.to(torch.float64), dim=1).tolist()
+    return ", ".join(
+        f"({i}, {w:.3g}, {n:.3g})" for i, w, n in zip(order, weights.tolist(), norms, strict=True)
+    )

@@ -181,6 +181,9 @@ class Proc:
         """Kill the whole process group (p2pd and hivemind children included)."""
         if self.popen is None:
             return
+        if self._throttled is not None:  # a failed test may leave its duty cycle running: stop it first
+            self._throttled.set()
+            self._throttled = None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

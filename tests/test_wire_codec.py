@@ -123,3 +123,29 @@ def test_group_bits_separate_codecs() -> None:
     assert all(bits.startswith(format(5, "032b")) and len(bits) == 48 for bits in keyed.values())
     assert len(set(keyed.values())) == len(LOSSY) + 1
     assert round_group_bits(5, "int2") == keyed["int2"] != round_group_bits(6, "int2")
+
+
+def test_a_sender_found_faulty_is_logged_with_every_senders_weight_and_norm(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ban follows a faulty verdict: the reducer's log holds what it was based on, so a false one can be traced."""
+    shape = torch.Size([64])
+
+    def flag_the_largest(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        norms = torch.linalg.vector_norm(stacked, dim=1)
+        return weighted_mean(stacked, weights)[0], [int(norms.argmax())]
+
+    async def run() -> BufferingReducer:
+        reducer = BufferingReducer((shape,), 3, flag_the_largest, None)
+        parts = [torch.full((64,), 0.5), torch.full((64,), 1.0), torch.full((64,), 100.0)]
+        await asyncio.gather(*(reducer.accumulate_part(i, 0, parts[i], weight=2.0) for i in range(3)))
+        return reducer
+
+    with caplog.at_level("WARNING", logger="peers.partreduce"):
+        reducer = asyncio.run(run())
+    assert reducer.faulty_senders == {2}
+    (record,) = [r for r in caplog.records if r.name == "peers.partreduce"]
+    assert record.getMessage() == (
+        "part 0: sender(s) [2] dropped as faulty; every sender's (index, weight, norm): "
+        "(0, 2, 4), (1, 2, 8), (2, 2, 800)"
+    )
