@@ -38,8 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "study"
-# eval on 32 × 16 × 128 held-out tokens; fp32 parts unless a cell sets a codec (the study measures them)
-SETS = ("trainer.threads=1", "trainer.eval_batches=32", "averaging.compression=none")
+# eval on 32 × 16 × 128 held-out tokens; fp32 parts unless a cell sets a codec, AdamW unless it sets Muon (the
+# study measures them; both defaults changed on its results, and the cells must stay comparable)
+SETS = (
+    "trainer.threads=1",
+    "trainer.eval_batches=32",
+    "averaging.compression=none",
+    "trainer.optimizer=adamw",
+)
 
 
 @dataclass(frozen=True)

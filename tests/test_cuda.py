@@ -15,6 +15,7 @@ from dilocod.config import load_config
 from dilocod.diloco.outer import OuterConfig, OuterOptimizer
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, ModelConfig, TrainerConfig
 from dilocod.trainer.flops import known_peak_flops
+from dilocod.trainer.optim import MuonWithAdamW
 
 pytestmark = pytest.mark.cuda
 
@@ -36,10 +37,15 @@ def _fresh_memory_stats() -> Iterator[None]:
     torch.cuda.reset_peak_memory_stats()
 
 
-def test_cuda_trainer_uses_bf16_fused_adamw_and_pinned_copies(data: DataConfig) -> None:
-    trainer = InnerTrainer(ModelConfig("tiny"), data, CFG, seed=0, peer_key="gpu")
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_cuda_trainer_uses_bf16_fused_adamw_and_pinned_copies(data: DataConfig, optimizer: str) -> None:
+    trainer = InnerTrainer(
+        ModelConfig("tiny"), data, replace(CFG, optimizer=optimizer), seed=0, peer_key="gpu"
+    )
     assert trainer.device.type == "cuda"
-    assert trainer.optimizer.defaults["fused"] is True
+    inner = trainer.optimizer
+    adamw = inner.parts["adamw"] if isinstance(inner, MuonWithAdamW) else inner  # Muon's AdamW part too
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] is True
     with trainer._autocast():
         assert torch.get_autocast_dtype("cuda") == torch.bfloat16
     stats = trainer.train_steps(5)
