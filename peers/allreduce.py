@@ -114,6 +114,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         # what the messages' tensor buffers actually held, encoded or not.
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Senders we are still replying to: our own averages can all be in while our last reply to another
+        # sender is being encoded, and a round's bytes are read once it is done (`replies_counted`).
+        self._replying = 0
+        self._replies_done = asyncio.Event()
+        self._replies_done.set()
         # Our own input for every part, by reducer: what a returned average is checked against.
         self._own_inputs = [
             tuple(part for part, _ in parts) for parts in self.tensor_part_container._input_parts_by_peer
@@ -189,7 +194,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         weight = self.sender_weights[sender_index]
         if part.shape != expected or part.dtype != torch.float32 or not bool(torch.isfinite(part).all()):
             why = "did not decode" if part.shape != expected else "holds NaN/Inf"
-            log.warning("part %d from %s %s: screened out", part_index, self.sender_peer_ids[sender_index], why)
+            log.warning(
+                "part %d from %s %s: screened out", part_index, self.sender_peer_ids[sender_index], why
+            )
             self.screened_parts += 1
             self.screened_senders.add(sender_index)
             return torch.zeros(expected), 0.0
@@ -287,6 +294,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0
         loop = asyncio.get_running_loop()
+        self._replying += 1
+        self._replies_done.clear()
+        replying = True
         try:
             async for message in stream:
                 if part_index >= self.tensor_part_reducer.num_parts:
@@ -305,10 +315,26 @@ class ExactAllReduceRunner(AllReduceRunner):
                 serialized = await loop.run_in_executor(None, self._reply, averaged, part_index)
                 part_index += 1
                 self.bytes_sent += len(serialized.buffer)
+                if part_index == self.tensor_part_reducer.num_parts:
+                    replying = self._replied(replying)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
+            self._replied(replying)
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _replied(self, replying: bool) -> bool:
+        """One sender's replies are all counted (or it is gone); False, so that it is counted once."""
+        if replying:
+            self._replying -= 1
+            if self._replying == 0:
+                self._replies_done.set()
+        return False
+
+    async def replies_counted(self, timeout: float) -> None:
+        """Wait, at most `timeout` s, until every reply we owe another sender is counted in `bytes_sent`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._replies_done.wait(), timeout)
 
     def _reply(self, averaged: torch.Tensor, part_index: int) -> runtime_pb2.Tensor:
         """What we send back for one of our parts: the result's exact fp32 bytes, or its codec payload."""

@@ -49,6 +49,9 @@ log = logging.getLogger("peers.averager")
 # The host waits 3 s for all of it (`shutdown_timeout` in peers/group.py), then terminates the process, and
 # the daemon would take that SIGTERM, echoed through the averager, for a second signal (exit at once).
 STOP_STEP_SECONDS = 1.0
+# How long a finished round waits for our last replies to other senders to be counted in its bytes: they
+# are encoded as our own averages arrive, so this is normally no wait at all.
+REPLIES_COUNTED_SECONDS = 1.0
 
 
 class BanAwareMatchmaking(Matchmaking):
@@ -349,6 +352,7 @@ class RunAverager(StateDonors):
         if runner.failed_size == 0:  # only a complete result replaces our inputs
             async for tensor, averaged in azip(as_aiter(*tensors), as_aiter(*results)):
                 tensor.copy_(averaged)
+        await runner.replies_counted(REPLIES_COUNTED_SECONDS)  # the round's bytes include our last replies
         return runner
 
 
