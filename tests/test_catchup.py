@@ -49,6 +49,18 @@ def test_a_tie_holds_nobody_to_either_hash() -> None:
     assert expected_hash(seen, 5, "donor") == A
 
 
+def test_one_against_one_each_donor_is_held_to_its_own_report() -> None:
+    # A run split in two at step 1 (one peer of each half reported): a peer still at step 0 must be able to
+    # re-sync from either half. Held to the other's hash, both were refused and it never left step 0.
+    seen: dict[int, dict[str, str]] = {}
+    remember_hashes(seen, [record("a", 1, A), record("b", 1, B)])
+    assert expected_hash(seen, 1, "a") == A and expected_hash(seen, 1, "b") == B
+    assert served_verdict(seen, 1, "a", A, A) is None
+    remember_hashes(seen, [record("c", 1, A)])  # then a majority exists, and the other half is a split
+    assert expected_hash(seen, 1, "b") == A
+    assert served_verdict(seen, 1, "b", B, A) == (SPLIT, False)
+
+
 def test_a_donor_that_holds_a_minority_theta_it_reports_is_skipped_not_called_a_liar() -> None:
     seen: dict[int, dict[str, str]] = {}
     # Two groups averaged apart at step 4: three peers hold A, the split-off donor B (and says so).

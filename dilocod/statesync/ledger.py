@@ -35,9 +35,13 @@ def expected_hash(seen: dict[int, dict[str, str]], step: int, donor: str) -> str
     if vote is None:
         return reports.get(donor)
     tied = {h for h in others if votes_for(others, h) == vote.votes}
-    if len(tied) == 1:
-        return str(vote.winner)
     own = reports.get(donor)
+    if len(tied) == 1:
+        # With its own report the donor's θ ties the others' winner: two halves of a split run (one against
+        # one), and holding each to the other's hash refused both, so that peers behind them never re-synced.
+        if own is not None and votes_for(others, own) + 1 >= vote.votes:
+            return own
+        return str(vote.winner)
     return own if own in tied else None
 
 
