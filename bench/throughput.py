@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/throughput.py [--steps 60] [--presets tiny,small,124m] [--peer]
 
+The trainer is compared with the bare loop on AdamW (what the bare loop runs); then the trainer with Muon
+(`trainer.optimizer = muon`, the tiny config's default) and with AdamW alternate, for the cost of Muon's step.
+
 Measured side by side in one run (this machine is noisy): the bare loop and the daemon's trainer
 alternate, several times, and the ratio is taken per pair. With `--peer`, a real `dilocod join`
 process (alone, no bootstrap) runs too and its reported tokens/s is compared with a bare loop run
@@ -56,8 +59,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
     opt.step()
 
 
-def trainer_loop(preset: str, batch: int, seq: int, steps: int) -> float:
-    cfg = TrainerConfig(batch_size=batch, seq_len=seq, inner_steps=steps, warmup_steps=1)
+def trainer_loop(preset: str, batch: int, seq: int, steps: int, optimizer: str = "adamw") -> float:
+    cfg = TrainerConfig(batch_size=batch, seq_len=seq, inner_steps=steps, warmup_steps=1, optimizer=optimizer)
     trainer = InnerTrainer(ModelConfig(preset), DataConfig(), cfg, seed=0, peer_key="bench")
     trainer.train_steps(3)
     stats = trainer.train_steps(steps)
@@ -105,6 +108,16 @@ def main() -> None:
         f"tiny, batch 16×128: bare loop {statistics.median(bare):,.0f} tok/s, dilocod trainer "
         f"{statistics.median(ours):,.0f} tok/s, ratio {statistics.median(ratios):.3f} "
         f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    muon, adamw = [], []
+    for _ in range(args.repeats):
+        muon.append(trainer_loop("tiny", 16, 128, args.steps, "muon"))
+        adamw.append(trainer_loop("tiny", 16, 128, args.steps, "adamw"))
+    pairs = [a / m for m, a in zip(muon, adamw, strict=True)]
+    print(
+        f"tiny, batch 16×128: trainer with Muon {statistics.median(muon):,.0f} tok/s, with AdamW "
+        f"{statistics.median(adamw):,.0f} tok/s: Muon's step takes {statistics.median(pairs):.3f}× AdamW's "
+        f"(pairs: {', '.join(f'{r:.3f}' for r in pairs)})"
     )
     if args.peer:
         before = bare_loop("tiny", 16, 128, args.steps)
