@@ -116,7 +116,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_received = 0
         # Senders we are still replying to: our own averages can all be in while our last reply to another
         # sender is being encoded, and a round's bytes are read once it is done (`replies_counted`).
-        self._replying = 0
+        self._owed: set[int] = set()  # sender indices
         self._replies_done = asyncio.Event()
         self._replies_done.set()
         # Our own input for every part, by reducer: what a returned average is checked against.
@@ -294,9 +294,8 @@ class ExactAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0
         loop = asyncio.get_running_loop()
-        self._replying += 1
+        self._owed.add(sender_index)
         self._replies_done.clear()
-        replying = True
         try:
             async for message in stream:
                 if part_index >= self.tensor_part_reducer.num_parts:
@@ -316,20 +315,18 @@ class ExactAllReduceRunner(AllReduceRunner):
                 part_index += 1
                 self.bytes_sent += len(serialized.buffer)
                 if part_index == self.tensor_part_reducer.num_parts:
-                    replying = self._replied(replying)
+                    self._replied(sender_index)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
-            self._replied(replying)
+            self._replied(sender_index)
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
-    def _replied(self, replying: bool) -> bool:
-        """One sender's replies are all counted (or it is gone); False, so that it is counted once."""
-        if replying:
-            self._replying -= 1
-            if self._replying == 0:
-                self._replies_done.set()
-        return False
+    def _replied(self, sender_index: int) -> None:
+        """This sender's replies are all counted (or it is gone); idempotent."""
+        self._owed.discard(sender_index)
+        if not self._owed:
+            self._replies_done.set()
 
     async def replies_counted(self, timeout: float) -> None:
         """Wait, at most `timeout` s, until every reply we owe another sender is counted in `bytes_sent`."""
