@@ -170,14 +170,14 @@ class StateDonors(DecentralizedAverager):
             if message.metadata and meta is None:
                 meta = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(_tensor_from_parts(parts, len(tensors)))
                 elements += tensors[-1].numel()
                 parts = []
             parts.append(message.tensor_part)
             if elements > max_elements or len(parts) > 1_000_000:
                 raise ValueError("donor sent more data than our state can hold")
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(_tensor_from_parts(parts, len(tensors)))
         if not isinstance(meta, bytes):
             raise ValueError("donor sent no state metadata")
         return meta, tensors
@@ -213,6 +213,16 @@ class StateDonors(DecentralizedAverager):
         from hivemind.utils import get_logger
 
         get_logger(__name__).info(f"state download from {donor} failed: {error!r}")
+
+
+def _tensor_from_parts(parts: list[Any], index: int) -> torch.Tensor:
+    """One tensor of a donor's stream; its first part says how many parts it has (a stream that lost some
+    would otherwise fail later with a bare shape error)."""
+    if parts[0].chunks and len(parts) != parts[0].chunks:
+        raise ValueError(
+            f"donor's stream broke off tensor {index}: {len(parts)} of its {parts[0].chunks} parts"
+        )
+    return deserialize_torch_tensor(combine_from_streaming(parts))
 
 
 async def declared(store: MPFuture, expiration: float) -> None:
