@@ -5,13 +5,16 @@
         [--matchmaking-time S] [--averaging-timeout S] [--keep DIR] [--verbose] [--json]
 
 Both sides train the same model on the same corpus, batches and data shards (peer i of each side has
-the same identity key), with the same AdamW, lr schedule and clipping (dilocod's `InnerTrainer`), the
+the same identity key), with the same lr schedule and clipping (dilocod's `InnerTrainer`), the
 same number of peers, `--threads` torch threads each, on this machine, for `--seconds` of wall time —
 one side after the other, so they never compete for the cores:
 
-- dilocod: a bootstrap and `--peers` real peers (`dilocod join`) with the config's settings;
+- dilocod: a bootstrap and `--peers` real peers (`dilocod join`) with the config's settings (its inner
+  optimizer too: Muon by default);
 - hivemind: a DHT bootstrap and `--peers` workers whose optimizer step is `hivemind.Optimizer` with
-  `use_local_updates=True` (local AdamW steps, parameters averaged at every global epoch),
+  `use_local_updates=True` (local AdamW steps, parameters averaged at every global epoch; AdamW whatever
+  the config says, as hivemind wraps only a `torch.optim.Optimizer`; `--set trainer.optimizer=adamw`
+  gives both sides the same one),
   `target_batch_size` = the sequences of one dilocod round (H × batch × peers, or `round.tokens`),
   `matchmaking_time` and `averaging_timeout` = the config's `averaging.min_matchmaking_time` and
   `averaging.allreduce_timeout` unless given, and its `averaging.request_timeout`.
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.anchor.dilocod_side import run_dilocod  # noqa: E402
 from bench.anchor.hivemind_side import run_hivemind  # noqa: E402
 from bench.anchor.report import dilocod_at_steps, dilocod_summary, hivemind_summary, spread, table  # noqa: E402
-from bench.anchor.settings import REPO, Race, identities, round_samples  # noqa: E402
+from bench.anchor.settings import HIVEMIND_OPTIMIZER, REPO, Race, identities, round_samples  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,6 +80,7 @@ def race_against_anchor(args: argparse.Namespace, race: Race, root: Path) -> dic
     if args.only != "hivemind":  # first: its mean step count is hivemind's equal-tokens point
         statuses, before = run_dilocod(race, paths, root)
         result["dilocod"] = dilocod_summary(statuses, before, race.peers)
+        result["dilocod"]["optimizer"] = cfg.trainer.optimizer
         eval_at = eval_at or result["dilocod"]["equal_tokens_steps"]
     if args.only != "dilocod":
         matchmaking = args.matchmaking_time or cfg.averaging.min_matchmaking_time
@@ -93,7 +97,9 @@ def race_against_anchor(args: argparse.Namespace, race: Race, root: Path) -> dic
             verbose=args.verbose,
         )
         result["hivemind"] = hivemind_summary(results, race.peers)
-        result["hivemind"].update(matchmaking_time=matchmaking, averaging_timeout=timeout)
+        result["hivemind"].update(
+            matchmaking_time=matchmaking, averaging_timeout=timeout, optimizer=HIVEMIND_OPTIMIZER
+        )
         if "dilocod" in result and not result["hivemind"]["equal_tokens_reached"]:
             equal_tokens_the_other_way(result, statuses, cfg.trainer.batch_size * cfg.trainer.seq_len)
     return result

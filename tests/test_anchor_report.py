@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.anchor.report import dilocod_at_steps
+from bench.anchor.report import dilocod_at_steps, spread, table
 
 STEP_TOKENS = 100  # tokens of one inner step
 
@@ -29,3 +29,20 @@ def test_tokens_of_failed_rounds_count_and_a_step_some_peer_missed_is_skipped() 
     b = rounds((1, "ok", 1000, 2.5), (2, "failed", 0, None), (3, "ok", 2000, 2.0))
     assert dilocod_at_steps([a, b], 25.0, STEP_TOKENS) == {"outer_step": 1, "steps": 10, "eval_loss": 2.5}
     assert dilocod_at_steps([a, b], 30.0, STEP_TOKENS) == {"outer_step": 3, "steps": 30, "eval_loss": 2.0}
+
+
+def test_the_table_says_which_inner_optimizer_each_side_ran() -> None:
+    side = {
+        "steps_per_peer": 100.0,
+        "rounds": 5,
+        "rounds_full": 5,
+        "eval_equal_time": spread([1.7]),
+        "eval_equal_tokens": spread([1.8]),
+        "equal_tokens_steps": 90,
+    }
+    result = {
+        "peers": 3,
+        "hivemind": {**side, "optimizer": "adamw"},
+        "dilocod": {**side, "optimizer": "muon"},
+    }
+    assert "| inner optimizer | adamw | muon |" in table(result).splitlines()

@@ -106,6 +106,7 @@ def table(result: dict[str, Any]) -> str:
     sides = [s for s in ("hivemind", "dilocod") if s in result]
     peers = result["peers"]
     rows: list[tuple[str, list[str]]] = [
+        ("inner optimizer", [str(result[s].get("optimizer", "-")) for s in sides]),
         ("steps per peer (mean)", [f"{result[s]['steps_per_peer']:.1f}" for s in sides]),
         ("rounds (epochs / outer steps)", [str(result[s]["rounds"]) for s in sides]),
         (f"rounds with all {peers} peers", [str(result[s]["rounds_full"]) for s in sides]),

@@ -9,6 +9,9 @@ from dilocod.config import Config, load_config
 from dilocod.processes.netstart import peer_key
 
 REPO = Path(__file__).resolve().parent.parent.parent
+# hivemind's state averager wraps only a `torch.optim.Optimizer` (it asserts so), which dilocod's Muon pair
+# is not: the hivemind side trains with AdamW whatever the config says, as hivemind's users do.
+HIVEMIND_OPTIMIZER = "adamw"
 
 
 @dataclass(frozen=True)

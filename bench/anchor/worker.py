@@ -4,8 +4,9 @@
     python -m bench.anchor.worker train DIR INDEX      (reads DIR/race.json, writes DIR/result-INDEX.json)
 
 A peer is dilocod's own `InnerTrainer` (the model, the data shard of its key, the batches, the AdamW, the
-per-step lr schedule, clipping and the eval batches a dilocod peer of that key has) whose optimizer step
-goes through the stock `hivemind.Optimizer` with `use_local_updates=True`: AdamW steps on local
+per-step lr schedule, clipping and the eval batches a dilocod peer of that key has; AdamW even where the
+config says Muon) whose optimizer step goes through the stock `hivemind.Optimizer` with
+`use_local_updates=True`: AdamW steps on local
 gradients, parameters averaged with the other peers at every global epoch (`target_batch_size` samples
 of the whole swarm). It says it is ready (DIR/ready-INDEX), trains from DIR/go for the race's seconds,
 and evaluates the parameters it holds (what it would publish) at the end and when it passes the step
@@ -18,6 +19,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import hivemind
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 
+from bench.anchor.settings import HIVEMIND_OPTIMIZER
 from dilocod.config import load_config
 from dilocod.trainer import InnerTrainer
 
@@ -104,7 +107,8 @@ def train(directory: Path, index: int) -> None:
     race = json.loads((directory / "race.json").read_text())
     cfg = load_config(race["config"], race["overrides"])
     started = record_rounds()  # before any averager exists
-    trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=race["keys"][index])
+    settings = replace(cfg.trainer, optimizer=HIVEMIND_OPTIMIZER)
+    trainer = InnerTrainer(cfg.model, cfg.data, settings, seed=cfg.run.seed, peer_key=race["keys"][index])
     dht = hivemind.DHT(initial_peers=race["initial_peers"], host_maddrs=LOOPBACK, start=True)
     optimizer = hivemind.Optimizer(
         dht=dht,
