@@ -64,6 +64,9 @@ class Cell:
         return found[0] if found else "adamw"
 
 
+DEFAULTS = ("trainer.inner_steps=20", "trainer.optimizer=muon", "averaging.compression=int4")
+
+
 def cells(scale: float = 1.0) -> list[Cell]:
     """Every cell, in the order they run: what sets the defaults first (budgets × scale: a quick look)."""
     two, three = (0, 1), (0, 1, 2)
@@ -90,6 +93,8 @@ def cells(scale: float = 1.0) -> list[Cell]:
         Cell("m4-h50-speeds", m4, 4, two, overrides=h50, speeds=(1.0, 1.0, 1 / 1.5, 1 / 3)),
         Cell("m4-dp-muon", m4, 4, two, dp=True, overrides=("trainer.optimizer=muon",)),
         Cell("m4-h50-muon", m4, 4, two, overrides=(*h50, "trainer.optimizer=muon")),
+        # configs/tiny.toml's defaults together: H = 20, Muon, int4 parts (against dp with Muon)
+        Cell("m4-h20-muon-int4", m4, 4, two, overrides=DEFAULTS),
     ]
     for m in (2, 8):
         found.append(Cell(f"m{m}-dp", m4, m, two, dp=True))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.study import Cell, baseline_of, cells, pending, report, report_per_seed, unit_path
+from bench.study import DEFAULTS, Cell, baseline_of, cells, pending, report, report_per_seed, unit_path
+from dilocod.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _write(out: Path, cell: Cell, seed: int, loss: float, bytes_sent: int) -> None:
@@ -69,3 +72,13 @@ def test_per_seed_report_shows_each_seeds_ratio_and_what_is_missing(tmp_path: Pa
     assert rows["| m4-h50"] == "| m4-h50 | 1.0100 | - | - | 1/2,000 |"
     assert rows["| m4-h10"] == "| m4-h10 | - | 1.0500 | - | 1/200 |"
     assert "| m4-dp" not in rows  # a baseline has no ratio of its own
+
+
+def test_the_defaults_cell_is_what_configs_tiny_toml_sets() -> None:
+    cfg = load_config(REPO / "configs" / "tiny.toml", ())
+    shipped = {
+        "trainer.inner_steps": str(cfg.trainer.inner_steps),
+        "trainer.optimizer": cfg.trainer.optimizer,
+        "averaging.compression": cfg.averaging.compression,
+    }
+    assert dict(o.split("=", 1) for o in DEFAULTS) == shipped
