@@ -72,14 +72,6 @@ def round_results(statuses: list[dict[str, Any]]) -> str:
     )
 
 
-def log_tail(run_dir: Path | None, lines: int = 40) -> str:
-    """The last `lines` lines of a peer's log (for assertion messages: what the peer did, in its words)."""
-    log = run_dir / "dilocod.log" if run_dir is not None else None
-    if log is None or not log.exists():
-        return "(no log)"
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
 def _latest_evaluated(status: dict[str, Any]) -> bool:
     """Whether the record of the peer's latest outer step, if it made one, holds its eval loss."""
     latest = [
