@@ -52,8 +52,9 @@ def _shapes(preset: str, floats: int | None) -> list[Any]:
     if floats:
         return [torch.Size([floats])]
     from dilocod.processes.helper import parameter_shapes
+    from dilocod.trainer.model import ModelConfig
 
-    return parameter_shapes(preset)
+    return parameter_shapes(ModelConfig(preset=preset))
 
 
 async def _peer_main(args: argparse.Namespace) -> None:

@@ -214,7 +214,8 @@ class Config:
 
 
 def num_parameter_tensors(preset: str) -> int:
-    """How many parameter tensors the preset's model has (built on the meta device: no memory)."""
+    """How many parameter tensors the preset's model has (built on the meta device: no memory; the
+    vocabulary changes no tensor's existence)."""
     import torch
 
     with torch.device("meta"):

@@ -296,6 +296,11 @@ class Swarm:
 
         return wait_for(f"all peers at outer step {step}", probe, timeout, self.poll_interval)
 
+    def log_tails(self, chars: int = 3000) -> str:
+        """The end of every process's console log, for a failing test's message."""
+        procs = [*([self.bootstrap] if self.bootstrap else []), *self.peers]
+        return "\n".join(f"--- {p.name} ---\n{p.output()[-chars:]}" for p in procs)
+
     def close(self) -> None:
         procs = [*self.peers, *([self.bootstrap] if self.bootstrap else [])]
         for proc in procs:

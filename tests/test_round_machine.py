@@ -48,6 +48,7 @@ from dilocod.rounds.machine import (
 
 PLAIN = MachineSettings()
 OVERLAP = MachineSettings(overlapped=True)
+PRIVATE_OVERLAP = MachineSettings(overlapped=True, private=True)
 PRIVATE = MachineSettings(can_step_back=True, private=True)
 
 AT5 = RoundState(step=5)
@@ -90,6 +91,9 @@ TABLE: list[tuple[str, MachineSettings, RoundState, object, Outcome | None, Acti
     ("no group, others at our step", PLAIN, AT5, Averaged(NOBODY, PEERS), Outcome.NO_GROUP, Train(), 5),
     ("no group, the run is ahead", PLAIN, AT5, Averaged(NOBODY, AHEAD), Outcome.LATE, Download(6), 5),
     ("no group, nobody alive: alone", PLAIN, AT5, Averaged(NOBODY, QUIET), Outcome.ALONE, Train(), 6),
+    ("private, no group, nobody alive: alone (it can step back)", PRIVATE, AT5, Averaged(NOBODY, QUIET), Outcome.ALONE, Train(), 6),
+    # nobody could download a private peer's lone step, and with overlap it cannot step back to meet them
+    ("private with overlap, nobody alive: keep, wait", PRIVATE_OVERLAP, AT5, Averaged(NOBODY, QUIET), Outcome.NO_GROUP, Train(), 5),
     (
         "no group, nobody visible but seen lately",
         PLAIN, AT5, Averaged(NOBODY, RunFacts(seen_recently=True)), Outcome.NO_GROUP, Train(), 5,
@@ -240,10 +244,18 @@ def test_not_contributing_reasons_name_the_cause() -> None:
     _, actions = transition(state, Averaged(BANNED, PEERS), PLAIN)
     assert any(isinstance(a, Warn) and "banned" in a.text for a in actions)
     _, actions = transition(state, Averaged(NOBODY, replace(PEERS, reducers=0)), PRIVATE)
-    assert any(isinstance(a, Warn) and "no reducer reachable" in a.text for a in actions)
+    assert any(
+        isinstance(a, Warn) and "no peer of this run can reduce for a private peer" in a.text for a in actions
+    )
     # That one is definite: said at the first round without a group, not after three.
     _, actions = transition(AT5, Averaged(NOBODY, replace(PEERS, reducers=0)), PRIVATE)
     assert any(isinstance(a, Warn) and "no public reducer in this run" in a.text for a in actions)
+    # With reducers in the run that never meet us, a private peer is pointed at them, not at its peers.
+    _, actions = transition(state, Averaged(NOBODY, replace(PEERS, reducers=2)), PRIVATE)
+    warning = next(a.text for a in actions if isinstance(a, Warn))
+    assert "2 node(s) of the run can reduce for a private peer" in warning, warning
+    _, actions = transition(state, Averaged(NOBODY, PEERS), PLAIN)
+    assert any(isinstance(a, Warn) and "are the other peers reachable?" in a.text for a in actions)
     # Alone in the run nobody could be in a round with us: no warning, however long.
     _, actions = transition(replace(AT5, misses=10), Averaged(NOBODY, QUIET), PLAIN)
     assert not any(isinstance(a, Warn) for a in actions)

@@ -21,6 +21,7 @@ from dilocod.config import ConfigError, load_config
 from dilocod.diloco.fragments import fragment_of, mix, split_fragments
 from dilocod.diloco.outer import OuterConfig, OuterOptimizer
 from dilocod.processes.helper import parameter_shapes
+from dilocod.trainer.model import ModelConfig
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.grouping import round_group_bits
 from peers.node import Node, NodeOptions
@@ -32,7 +33,7 @@ from tests.test_swarm import _ok_counts
 
 
 def test_split_is_balanced_deterministic_and_covers_every_tensor_once() -> None:
-    sizes = [numel for numel in (s.numel() for s in parameter_shapes("tiny"))]
+    sizes = [numel for numel in (s.numel() for s in parameter_shapes(ModelConfig()))]
     for count in (1, 2, 3, 4, 7, len(sizes)):
         fragments = split_fragments(sizes, count)
         assert fragments == split_fragments(list(sizes), count)  # a pure function of the sizes
@@ -223,7 +224,7 @@ def test_streaming_keeps_theta_identical_and_trains(swarm: Callable[..., Swarm])
     )
 
     # Each fragment round carried about that fragment's bytes in the run's codec, far less than the model's.
-    sizes = [shape.numel() for shape in parameter_shapes("tiny")]
+    sizes = [shape.numel() for shape in parameter_shapes(ModelConfig())]
     fragments = split_fragments(sizes, F)
     codec = load_config(s.config, s.overrides).averaging.wire_codec()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 RUN_WIDE: dict[str, tuple[str, ...]] = {
     "run": ("id", "seed"),
-    "model": ("preset",),
+    "model": ("preset", "vocab_size"),
     "data": ("source", "text_field", "eval_fraction", "num_shards", "max_bytes"),
     "trainer": (
         "inner_steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "total_steps",

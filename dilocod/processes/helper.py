@@ -5,7 +5,8 @@ cannot reduce, and a group of clients alone cannot average. A public node that j
 auxiliary member (it reduces its share of the parts and contributes no weight) makes their rounds
 possible; the bootstrap is one by default. It follows the run's clock like every trainer
 (`dilocod/rounds/clock.py`): from the trainers' status records it knows the round they train and when
-it closes, and enters matchmaking at that close, with them. It publishes a small record under
+it closes, and enters matchmaking with them at that close, or with overlap at the launch that follows it,
+under the trainers' outer step (`dilocod/rounds/helperclock.py`). It publishes a small record under
 `<run>.helpers` so that private peers know reducers exist.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -23,11 +23,10 @@ from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
 from dilocod.observability.runview import HELPERS_KEY, NodeRunView
 from dilocod.processes.groupoptions import averaging_options
-from dilocod.rounds import clock
-from dilocod.trainer.model import PRESETS, Transformer
+from dilocod.rounds import clock, helperclock
+from dilocod.trainer.model import ModelConfig, Transformer
 from peers.group import GroupAverager
 from peers.node import Node
-from peers.vote import plurality
 from proto import encode_status, encode_ticket
 
 log = logging.getLogger("dilocod.helper")
@@ -35,17 +34,17 @@ log = logging.getLogger("dilocod.helper")
 IDLE_SECONDS = 1.0
 
 
-def parameter_shapes(preset: str) -> list[torch.Size]:
-    """The shapes of the preset's parameters, in state_dict order, without allocating them."""
+def parameter_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
+    """The shapes of the run's model's parameters, in state_dict order, without allocating them."""
     with torch.device("meta"):
-        model = Transformer(PRESETS[preset])
+        model = Transformer(model_cfg.spec())
     return [p.shape for p in model.parameters()]
 
 
 class AuxReducer:
     def __init__(self, node: Node, cfg: Config, manifest_hash: str) -> None:
         self.node, self.cfg, self.manifest_hash = node, cfg, manifest_hash
-        shapes = parameter_shapes(cfg.model.preset)
+        shapes = parameter_shapes(cfg.model)
         self.num_elements = sum(s.numel() for s in shapes)
         self.template = [torch.zeros(s) for s in shapes]
         # As the peers', but taking no trainer's seat; only the run's manifest's trainers meet us.
@@ -69,9 +68,10 @@ class AuxReducer:
         self.view = NodeRunView(node)
         self.rounds_reduced = 0
         self.last_round = -1
-        # (round, when we entered its matchmaking) of the last round we joined: the same round index opened
-        # again after that (a round that failed, or peers that stepped back) is a new round to join.
-        self._last: tuple[int, float] | None = None
+        # The round instance we joined last: the same round opened again after that (a round that failed, or
+        # peers that stepped back) is a new instance to join (dilocod/rounds/helperclock.py).
+        self.overlapped = cfg.outer.overlap in ("delayed", "streaming")
+        self._last: helperclock.Joined | None = None
         self.bytes_sent = self.bytes_received = 0  # tensor payload bytes of every round it reduced in
 
     def start(self) -> None:
@@ -101,41 +101,49 @@ class AuxReducer:
                 await asyncio.sleep(IDLE_SECONDS)
 
     async def _round_or_wait(self) -> float:
-        """Join the run's round if it is closing now; else how long to wait before looking again."""
+        """Join the run's round if its group forms now; else how long to wait before looking again."""
         now = time.time()
         # Trainers of another manifest never meet us: their rounds are not ours to follow.
         records = [
             r for r in await self.view.records() if r.get("manifest_hash") in (None, self.manifest_hash)
         ]
-        due = next_round(records, self.clock, now)
+        due = helperclock.next_round(records, self.clock, now)
         if due is None:
             log.debug("no live trainer in %d records (%.2fs to read)", len(records), time.time() - now)
             return IDLE_SECONDS
-        round_index, opened, close, trainers = due
+        close = due.close
         log.debug(
-            "round %d (opened %s, %d trainers): closes at %.2f (%s, %.0f of %d tokens at %.0f/s); last joined %s",
-            round_index, opened, trainers, close.at, close.by, close.expected, close.target, close.rate, self._last,
+            "round %d (key %d, opened %s, %d trainers): closes at %.2f (%s, %.0f of %d tokens at %.0f/s); last joined %s",
+            due.round, due.key, due.opened, due.trainers, close.at, close.by, close.expected, close.target,
+            close.rate, self._last,
         )  # fmt: skip
-        if not due_now(self._last, round_index, opened, close.at, now):
+        if self.overlapped:
+            # The group forms at the launch that opened the trainers' round, under their outer step.
+            window = self.cfg.averaging.matchmaking_timeout
+            ready, key = helperclock.due_at_launch(self._last, due, now, window), due.key
+        else:
+            ready, key = helperclock.due_at_close(self._last, due, now), due.round
+        if not ready:
             wait = clock.refresh_interval(close, now, self.cfg.net.status_interval)
             return min(wait, close.at - now) if close.at > now else wait
-        self._last = (round_index, now)
+        self._last = helperclock.Joined(due.round, key, now)
         helpers = max(1, len(await self.view.helpers()))  # other reducers of the run join too (we are one)
-        await self._reduce(round_index, trainers + helpers)
+        await self._reduce(key, due.trainers + helpers)
         return 0.0
 
-    async def _reduce(self, round_index: int, group_target: int) -> None:
-        subset = self._fragment(round_index)
+    async def _reduce(self, step: int, group_target: int) -> None:
+        """Reduce in the group of the trainers' outer step `step` (with streaming, its fragment)."""
+        subset = self._fragment(step)
         tensors = self.template if subset is None else [self.template[i] for i in subset]
         outcome = await self.group.average(
-            round_index, self._ticket(round_index), tensors, subset=subset, group_target=group_target
+            step, self._ticket(step), tensors, subset=subset, group_target=group_target
         )
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
         if outcome.found_group and outcome.error is None:
             self.rounds_reduced += 1
-            self.last_round = round_index
-            log.info("reduced round %d for a group of %d", round_index, outcome.group_size)
+            self.last_round = step
+            log.info("reduced round %d for a group of %d", step, outcome.group_size)
 
     def _fragment(self, step: int) -> list[int] | None:
         return None if self.fragments is None else self.fragments[fragment_of(step, len(self.fragments))]
@@ -168,36 +176,3 @@ class AuxReducer:
             "manifest_hash": self.manifest_hash,
         }
         await self.node.publish(HELPERS_KEY, encode_status(record), ttl=30.0)
-
-
-def due_now(
-    last: tuple[int, float] | None, round_index: int, opened: float | None, close_at: float, now: float
-) -> bool:
-    """Whether to enter the round's matchmaking now: its close has come, and we have not joined this
-    instance of it (`last`: the round we joined last, and when). Trainers' reports of when a round opened
-    drift as their records arrive, so an instance is told by time: one that opened after we joined is a
-    new one (the round failed and reopened, or the trainers stepped back to it). No report of when it
-    opened (`opened` None) is no sign of a new instance."""
-    if last is not None and last[0] == round_index and (opened is None or opened <= last[1]):
-        return False
-    return close_at <= now
-
-
-def next_round(
-    records: list[dict[str, Any]], settings: clock.ClockSettings, now: float
-) -> tuple[int, float | None, clock.Close, int] | None:
-    """The round most live trainers train, when it opened (None: none of them says), when it closes,
-    and how many train it."""
-    progress = [p for r in records if (p := clock.progress_from_record(r)) is not None]
-    fresh = [p for p in progress if now - p.time <= settings.stale_after]
-    vote = plurality(-p.round for p in fresh)  # negated: a tie goes to the later round (the others catch up)
-    if vote is None:
-        return None
-    round_index = -vote.winner
-    trainers = clock.in_round(fresh, round_index, now, settings.stale_after)
-    arriving = clock.in_round(fresh, round_index - 1, now, settings.stale_after)
-    said = [p.opened for p in trainers if p.opened is not None]
-    opened = clock.round_opened(trainers, fallback=now)
-    joining = clock.joining_records(records, round_index, now, settings.stale_after)
-    close = clock.estimate_close(trainers, settings, now, opened, arriving, joining)
-    return round_index, opened if said else None, close, len(trainers) + len(arriving)

@@ -22,7 +22,7 @@ steps back:
 - a peer the run left behind (at the close, or after a round that did not complete) re-syncs and keeps
   its progress not yet averaged (the download rebases it), so its tokens still count;
 - a peer that found no group keeps its progress for the next round, unless no other trainer is alive:
-  then it applies its own pseudo-gradient (alone);
+  then it applies its own pseudo-gradient (alone), but a private peer only where it could step back;
 - a private peer that is one step ahead of everyone, who all hold its previous θ_global, steps back.
 """
 
@@ -177,9 +177,17 @@ def _settle(
     stranded_long = state.stranded + 1 >= STRANDED_ROUNDS
     if facts.others > 0 and settings.can_step_back and facts.behind_on_previous and stranded_long:
         return Outcome.STEPPED_BACK, [Keep(), StepBack(), Record(Outcome.STEPPED_BACK)]
-    if facts.others > 0 or facts.seen_recently:
+    if facts.others > 0 or facts.seen_recently or not _may_go_alone(settings):
         return Outcome.NO_GROUP, [Keep(), Record(Outcome.NO_GROUP, 0, seconds)]
     return Outcome.ALONE, [Apply(alone=True), Record(Outcome.ALONE, 1, seconds)]
+
+
+def _may_go_alone(settings: MachineSettings) -> bool:
+    """Whether a peer that sees no other trainer may take an outer step on its own. A private peer serves no
+    state, so a trainer that shows up after its lone step could never download it; without overlap the
+    private peer steps back to meet it, with overlap it cannot, and the two would train apart for good. So a
+    private peer with overlap keeps its progress until someone meets it."""
+    return not settings.private or settings.can_step_back
 
 
 def _after(state: RoundState, outcome: Outcome, facts: RunFacts, settings: MachineSettings) -> RoundState:

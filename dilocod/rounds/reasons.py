@@ -26,14 +26,20 @@ def not_contributing_reason(outcome: Outcome, facts: RunFacts, *, private: bool)
         return "banned: most of our group refuses our contributions (see the bans in its peers' logs)"
     if no_reducer(facts, private=private):
         return (
-            "no reducer reachable: there is no public reducer in this run, and behind NAT we average only "
-            "through a public peer or a reducing bootstrap/helper (run `dilocod bootstrap` without "
-            "--no-reduce, or with --relay)"
+            "no peer of this run can reduce for a private peer: there is no public reducer in this run, and "
+            "behind NAT we average only through one (start the bootstrap without --no-reduce, or run a public "
+            "peer / a relay: `dilocod bootstrap --relay`)"
         )
     if facts.late_by is not None and facts.late_by > 0:
         return (
             f"behind the run's clock by {facts.late_by:.1f}s: its rounds close before we reach them "
             "(a slow link or state download, or this machine paused)"
+        )
+    if outcome is Outcome.NO_GROUP and private:
+        return (
+            f"no group forms with us at the run's rounds, though {facts.reducers} node(s) of the run can "
+            "reduce for a private peer: they do not meet us (check that the bootstrap or helper runs the "
+            "run's dilocod version and reaches us; its log says which rounds it reduced)"
         )
     return _by_outcome(outcome)
 

@@ -10,6 +10,7 @@ outer DiLoCo step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,22 @@ class ModelConfig:
     """The ``[model]`` section of the config file."""
 
     preset: str = "tiny"
+    # The vocabulary the embedding and the head are sized for: the run's tokenizer's, rounded up to a
+    # multiple of 64 (set by the node that starts the run, from its dataset); 0 = the preset's own (256).
+    vocab_size: int = 0
+
+    def spec(self) -> ModelSpec:
+        """The preset's shapes with the run's vocabulary."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown model.preset {self.preset!r} (choose from {', '.join(PRESETS)})")
+        base = PRESETS[self.preset]
+        return base if self.vocab_size == 0 else dataclasses.replace(base, vocab_size=self.vocab_size)
+
+    def validate(self) -> None:
+        if isinstance(self.vocab_size, bool) or self.vocab_size < 0 or self.vocab_size % 64:
+            raise ValueError(
+                f"model.vocab_size must be 0 (the preset's) or a multiple of 64, got {self.vocab_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -199,11 +216,10 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """Build the preset on CPU with parameters fixed by ``seed`` (same on every machine)."""
-    if cfg.preset not in PRESETS:
-        raise ValueError(f"unknown model.preset {cfg.preset!r} (choose from {', '.join(PRESETS)})")
+    spec = cfg.spec()
     # Construct on the meta device: no memory, no wasted default init, no global-RNG draws.
     with torch.device("meta"):
-        model = Transformer(PRESETS[cfg.preset])
+        model = Transformer(spec)
     model.to_empty(device="cpu")
     init_weights(model, seed)
     return model
