@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=_seconds, default=2.0, help="seconds between redraws (default 2)")
     status.add_argument("--count", type=int, default=0, help="with --watch: stop after this many redraws")
     status.add_argument("--wide", action="store_true", help="full peer ids")
+    from dilocod.data.cli import add_data_parser
+
+    add_data_parser(sub)
     return parser
 
 
@@ -146,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_status(
             args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
         )
+    if args.command == "data":  # offline, no network: nor does it need hivemind
+        from dilocod.data.cli import run_data
+
+        return run_data(args)
     from dilocod.processes.memory import cap_malloc_arenas
 
     cap_malloc_arenas()  # before torch and hivemind start their threads: they take arenas as they go
@@ -246,6 +253,7 @@ def _join(args: argparse.Namespace) -> int:
 def _bootstrap(args: argparse.Namespace) -> int:
     from dilocod.config import config_from_raw, read_raw
     from dilocod.manifest.obtain import manifest_for_bootstrap
+    from dilocod.processes.dataset import bootstrap_dataset
     from dilocod.processes.runtime import run_main, setup_logging
     from peers.node import parse_multiaddr
 
@@ -272,6 +280,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
                 or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-"))) / "id.key"
             )
             joined = await manifest_for_bootstrap(local_raw, args.run_dir, tuple(args.peers), key, args.host)
+            joined = await bootstrap_dataset(joined, args.run_dir, tuple(args.peers), args.host)
             print(f"run '{joined.manifest.run_id}': manifest {joined.manifest.hash}", flush=True)
             return await _serve_bootstrap(args, joined, key)
 

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -24,7 +25,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers import reachability, runinfo
+from peers import datashare, reachability, runinfo
 from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
@@ -222,6 +223,12 @@ class Node:
     async def serve_manifest(self, provider: Callable[[], bytes | None]) -> None:
         """Serve the run's manifest (opaque signed bytes) to nodes that ask (peers/runinfo.py)."""
         await runinfo.serve_manifest(await self.started.replicate_p2p(), provider)
+
+    async def serve_data(
+        self, resolve: Callable[[str], Path | None], *, rate_limit: float | None = None
+    ) -> datashare.DataServer:
+        """Serve dataset files to peers that ask (peers/datashare.py); `resolve` maps a name to our copy."""
+        return await datashare.serve_data(await self.started.replicate_p2p(), resolve, rate_limit=rate_limit)
 
     # ---- records ----------------------------------------------------------------------------------
     def run_key(self, name: str) -> str:

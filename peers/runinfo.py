@@ -51,8 +51,8 @@ async def serve_manifest(p2p: P2P, provider: Callable[[], bytes | None]) -> None
     await p2p.add_binary_stream_handler(MANIFEST_PROTOCOL, handle)
 
 
-async def ask_manifest(p2p: P2P, peer: Multiaddr, timeout: float) -> Fetched:
-    """One request to `peer` (dialled at that address); raises when it does not answer or has no manifest."""
+async def dial(p2p: P2P, peer: Multiaddr, timeout: float) -> PeerID:
+    """Connect our p2pd to `peer` (a multiaddr ending in /p2p/<id>); its peer id. ConnectionError if not."""
     peer_id = PeerID.from_base58(str(peer.value_for_protocol("p2p")))
     # Dialled here rather than as p2pd's bootstrap peers: p2pd refuses to start when none of those answers,
     # and one client should outlive a bootstrap that is still starting. (`_client`: hivemind's P2P exposes
@@ -63,6 +63,12 @@ async def ask_manifest(p2p: P2P, peer: Multiaddr, timeout: float) -> Fetched:
         )
     except Exception as e:
         raise ConnectionError(f"cannot connect: {_one_line(e)}") from None
+    return peer_id
+
+
+async def ask_manifest(p2p: P2P, peer: Multiaddr, timeout: float) -> Fetched:
+    """One request to `peer` (dialled at that address); raises when it does not answer or has no manifest."""
+    peer_id = await dial(p2p, peer, timeout)
     _, reader, writer = await asyncio.wait_for(
         p2p.call_binary_stream_handler(peer_id, MANIFEST_PROTOCOL), timeout
     )
@@ -97,7 +103,7 @@ async def fetch_manifests(
     try:
         while True:
             if p2p is None:
-                p2p = await _start_client(host, errors)
+                p2p = await _client_or_none(host, errors)
             if p2p is not None:
                 refused = 0
                 for text in initial_peers:
@@ -124,16 +130,21 @@ async def fetch_manifests(
     raise PeersError(f"no run manifest we can take from the peers given ({detail})")
 
 
-async def _start_client(host: str, errors: dict[str, str]) -> P2P | None:
+async def start_client(host: str) -> P2P:
+    """A short-lived p2pd that only dials out (a manifest or dataset download before the node starts)."""
     family = "ip6" if ":" in host else "ip4"
+    return await P2P.create(
+        host_maddrs=[f"/{family}/{host}/tcp/0"],
+        nat_port_map=False,
+        auto_nat=False,
+        use_relay=False,
+        startup_timeout=15.0,
+    )
+
+
+async def _client_or_none(host: str, errors: dict[str, str]) -> P2P | None:
     try:
-        return await P2P.create(
-            host_maddrs=[f"/{family}/{host}/tcp/0"],
-            nat_port_map=False,
-            auto_nat=False,
-            use_relay=False,
-            startup_timeout=15.0,
-        )
+        return await start_client(host)
     except Exception as e:
         errors["p2p"] = f"could not start: {_one_line(e)}"
         return None

@@ -3,6 +3,14 @@
 Imports only the standard library and msgpack, so any component (or a third-party tool) can use it.
 """
 
+from proto.data import (
+    DATA_REPLY,
+    DATA_REQUEST,
+    decode_data_reply,
+    decode_data_request,
+    encode_data_reply,
+    encode_data_request,
+)
 from proto.records import (
     MANIFEST,
     ROUND_TICKET,
@@ -20,6 +28,8 @@ from proto.records import (
 from proto.schema import Field, ProtoError, Schema, decode, encode
 
 __all__ = [
+    "DATA_REPLY",
+    "DATA_REQUEST",
     "MANIFEST",
     "ROUND_TICKET",
     "STATE_META",
@@ -28,11 +38,15 @@ __all__ = [
     "ProtoError",
     "Schema",
     "decode",
+    "decode_data_reply",
+    "decode_data_request",
     "decode_manifest",
     "decode_state_meta",
     "decode_status",
     "decode_ticket",
     "encode",
+    "encode_data_reply",
+    "encode_data_request",
     "encode_manifest",
     "encode_state_meta",
     "encode_status",

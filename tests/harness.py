@@ -244,10 +244,12 @@ class Swarm:
         identity: Path | None = None,
         where: str | None = None,
         bare: bool = False,
+        initial: list[str] | None = None,
     ) -> Proc:
         """A `dilocod join` peer; `identity` (a key file) pins its peer ID, so its data shard too. A `bare`
         peer is given no config and none of the swarm's overrides (only `extra`): it takes the run's
-        manifest from the bootstrap, as `dilocod join <maddr>` does."""
+        manifest from the bootstrap, as `dilocod join <maddr>` does. `initial`: the peers it is given
+        (default: the bootstrap)."""
         index = len(self.peers)
         run_dir = self.root / f"peer-{index}"
         if identity is not None:
@@ -256,7 +258,8 @@ class Swarm:
         port = free_port()
         sets = [item for o in ((*self.overrides, *extra) if not bare else extra) for item in ("--set", o)]
         config = [] if bare else ["--config", str(self.config)]
-        initial = [self.maddr] if self.maddr else []
+        if initial is None:
+            initial = [self.maddr] if self.maddr else []
         peer = self._proc(
             f"peer-{index}",
             ["join", *initial, *config, "--run-dir", str(run_dir),

@@ -22,6 +22,7 @@ from typing import Any
 
 from dilocod.config import Config, ConfigError, config_from_raw
 from dilocod.manifest.adopt import adopt, conflicts, trust_problem
+from dilocod.manifest.pindata import pin_dataset
 from dilocod.manifest.record import Manifest, ManifestError, decode, differing_keys, issue, summary
 from peers.auth import Identity, ensure_identity
 from peers.errors import PeersError
@@ -119,7 +120,7 @@ async def manifest_for_peer(
             log.warning("%s; running with the manifest we stored (%s)", e, stored.hash[:12])
             manifest = stored
     else:
-        manifest = stored or issue(local, _identity(run_dir or default_run_dir(local.run.id)))
+        manifest = stored or issue(pin_dataset(local)[0], _identity(run_dir or default_run_dir(local.run.id)))
     final_dir = run_dir or default_run_dir(manifest.run_id)
     if final_dir != (run_dir or default_run_dir(local.run.id)):
         stored = load_stored(final_dir)
@@ -155,7 +156,7 @@ async def manifest_for_bootstrap(
         except PeersError as e:
             raise ManifestError(str(e)) from None
     else:
-        manifest = issue(config_from_raw(local_raw), ensure_identity(identity_path))
+        manifest = issue(pin_dataset(config_from_raw(local_raw))[0], ensure_identity(identity_path))
     lines = conflicts(manifest, local_raw)
     if lines:
         where = f"the manifest in {run_dir}" if stored is not None else "the run's manifest"

@@ -51,6 +51,15 @@ class Metrics:
         )
         self.train_loss = Gauge("dilocod_train_loss", "Train loss of the latest inner step", registry=r)
         self.eval_loss = Gauge("dilocod_eval_loss", "Held-out loss of θ_global", registry=r)
+        self.eval_bits_per_byte = Gauge(
+            "dilocod_eval_bits_per_byte", "Held-out loss of θ_global in bits per byte of text", registry=r
+        )
+        self.data_fetch_bytes = Counter(
+            "dilocod_data_fetch_bytes", "Bytes of the run's dataset downloaded from other peers", registry=r
+        )
+        self.data_served_bytes = Counter(
+            "dilocod_data_served_bytes", "Bytes of dataset files served to other peers", registry=r
+        )
         self.outer_step = Gauge("dilocod_outer_step", "Completed outer rounds", registry=r)
         self.round_seconds = Histogram(
             "dilocod_outer_round_duration_seconds",

@@ -57,6 +57,8 @@ class PeerState:
     dht_records: int | None = None  # records our DHT node holds (stored + cached), read every heartbeat
     loss: float = math.nan
     eval_loss: float | None = None
+    eval_tokens_per_byte: float = 1.0  # of the dataset's eval split: turns the eval loss into bits per byte
+    data_fetch: dict[str, Any] | None = None  # while (and after) we download the run's dataset: its progress
     tokens_per_second: float = 0.0
     mfu: float | None = None  # model FLOPs utilization; None when the devices' peak is unknown (CPU)
     devices: int = 1  # local devices training together as this one peer
@@ -73,7 +75,7 @@ class PeerState:
     bytes_sent: int = 0  # tensor payload bytes this peer sent (all-reduce), since it started
     bytes_received: int = 0  # ... and received (all-reduce and state downloads)
     last_round_seconds: float | None = None
-    phase: str = "starting"  # starting | training | averaging | syncing | stopping
+    phase: str = "starting"  # starting | fetching data | training | averaging | syncing | stopping
     started: float = field(default_factory=time.time)
     train_seconds: float = 0.0  # wall time spent in finished stretches of inner steps
     training_since: float | None = None  # time.monotonic() when the first inner step began
@@ -130,6 +132,8 @@ class PeerState:
             "manifest_hash": self.manifest_hash,
             "loss": self.loss,
             "eval_loss": self.eval_loss,
+            "eval_bits_per_byte": self.eval_bits_per_byte,
+            "data_fetch": self.data_fetch,
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             "devices": self.devices,
@@ -193,6 +197,13 @@ class PeerState:
             "joining": self.joining,
             "joining_since": self.joining_since,
         }
+
+    @property
+    def eval_bits_per_byte(self) -> float | None:
+        """The eval loss in bits per byte of text: comparable between tokenizers (a loss per token is not)."""
+        if self.eval_loss is None or not math.isfinite(self.eval_loss):
+            return None
+        return self.eval_loss / math.log(2) * self.eval_tokens_per_byte
 
     @property
     def contribution_share(self) -> float | None:

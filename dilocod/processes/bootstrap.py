@@ -20,8 +20,10 @@ from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.runview import flag_manifests, read_run
+from dilocod.processes.dataset import serve_dataset, served_status
 from dilocod.processes.helper import AuxReducer
 from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
+from peers.datashare import DataServer
 from peers.errors import PeersError
 from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import free_ports
@@ -66,6 +68,7 @@ class BootstrapDaemon:
         self._peers: list[dict[str, Any]] = []
         self._dht_records: int | None = None  # records our DHT node holds, read with the run
         self.manifests: ManifestBook | None = None
+        self.data_server: DataServer | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -86,6 +89,8 @@ class BootstrapDaemon:
             if self.args.identity_path is not None:
                 self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
             await loop.run_in_executor(None, self.node.start)
+            if self.args.config is not None:  # the run's dataset, to peers that have no copy
+                self.data_server = await serve_dataset(self.node, self.args.config, self.metrics)
             tasks = self._start_reducing()
             self.relays = await loop.run_in_executor(None, self._start_relay)
             # After the aux reducer's fork: peers ask us whether they are reachable (a dial-back), and
@@ -215,6 +220,8 @@ class BootstrapDaemon:
             "outer_step": max((p["outer_step"] for p in self._peers), default=0),
             "uptime_seconds": time.time() - self.started,
             "version": __version__,
+            "dataset": self.args.config.data.dataset if self.args.config is not None else None,
+            "data_served": served_status(self.data_server),
             # What it did as an auxiliary reducer (null with --no-reduce).
             "reducer": None
             if self.aux is None

@@ -29,6 +29,7 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
+from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
@@ -43,6 +44,7 @@ from dilocod.trainer import LocalGroup
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
+from peers.datashare import DataServer
 
 log = logging.getLogger("dilocod.daemon")
 
@@ -84,6 +86,7 @@ class PeerDaemon:
         self.checkpoints: CheckpointWriter | None = None
         self.local_group: LocalGroup | None = None  # ranks 1..N-1 when the peer trains on N devices
         self.http: HttpServer | None = None
+        self.data_server: DataServer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ---- life cycle ----------------------------------------------------------------------------------------
@@ -97,6 +100,8 @@ class PeerDaemon:
 
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
+        await self._start_http()  # first: /api/status shows a dataset download (`data_fetch`)
+        self.cfg = await self._dataset()
         opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
             log.warning("%s", note)
@@ -106,6 +111,7 @@ class PeerDaemon:
             self.pool, lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state)
         )
         self.resumed = resumed
+        self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
             self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
@@ -118,7 +124,8 @@ class PeerDaemon:
         await loop.run_in_executor(self.pool, self._start_local_group)
         self._describe_network(self.network)
         self.driver = self._wire(resumed, self.network)
-        await self._start_http()
+        if not self.network.client:  # a private peer accepts no connections: it cannot serve
+            self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
         self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
@@ -129,6 +136,21 @@ class PeerDaemon:
             self.state.peer_id, self.cfg.run.id, self.state.outer_step, self.state.inner_step,
             ", ".join(self.state.maddrs) or "(client mode)",
         )  # fmt: skip
+
+    async def _dataset(self) -> Config:
+        """Our config pointing at a verified copy of the run's dataset: on this machine, or fetched from the
+        peers we were given (a node that started the run prepares it from `data.source`)."""
+        args = self.args
+        found = await local_dataset(self.cfg, args.run_dir, may_prepare=not args.initial_peers)
+        if found is not None:
+            return found
+        self.state.phase = "fetching data"
+        host = "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
+        cfg = await fetch_dataset(
+            self.cfg, args.run_dir, args.initial_peers, host, self.state, self.metrics, self.bans.ban
+        )
+        self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
+        return cfg
 
     def _wire(self, resumed: Resumed, network: Network) -> RoundDriver:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""
@@ -276,6 +298,7 @@ class PeerDaemon:
     # ---- observability -------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         status = self.state.status()
+        status["data_served"] = served_status(self.data_server)
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce

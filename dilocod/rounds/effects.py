@@ -116,10 +116,15 @@ class Effects:
             return
         self.state.eval_loss = await self.training.evaluate()
         self.metrics.eval_loss.set(self.state.eval_loss)
+        bits = self.state.eval_bits_per_byte
+        if bits is not None:
+            self.metrics.eval_bits_per_byte.set(bits)
         entry = self.state.history[-1] if self.state.history else None
         if entry is not None and entry.outer_step == step and entry.result in SUCCESS:
             entry.eval_loss = self.state.eval_loss
-        log.info("outer step %d: eval loss %.4f", step, self.state.eval_loss)
+        log.info(
+            "outer step %d: eval loss %.4f (%.3f bits per byte)", step, self.state.eval_loss, bits or math.nan
+        )
 
     async def keep(self) -> None:
         contribution = self.context.contribution

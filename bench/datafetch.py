@@ -1,0 +1,144 @@
+"""Dataset-file download over p2p (peers/datashare.py) vs a plain TCP copy of the same bytes, on loopback.
+
+    .venv/bin/python bench/datafetch.py [--mb 200] [--repeat 3] [--piece-kib 1024] [--dir /dev/shm]
+
+`--dir` holds the source and the downloaded copies (default: the system's temp dir); /dev/shm takes the
+disk out of both sides, so what is left is the transport.
+
+One server p2pd and one client p2pd in this process (as a node runs them: each daemon is a child process,
+the Python side talks to it over a unix socket). Each repeat times, side by side:
+- `p2p`: fetch_file end to end (request, stream, write to <dest>.part, sha256 as bytes come, rename);
+- `tcp`: an asyncio TCP server that `sendfile`s the same file, a client that writes it to disk;
+- `tcp+sha`: the same with the client hashing as it writes (the work fetch_file does besides the transport).
+The ratio is p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and the median.
+
+Each path's CPU seconds per GB are printed too (this process, and for p2p both p2pd daemons, from
+/proc): on a loaded machine the wall-clock ratio is noise, the CPU cost is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+from peers.datafetch import fetch_file, file_matches
+from peers.datashare import serve_data
+
+NAME = "train-00000.bin"
+READ = 1 << 20
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """user + system CPU seconds of this process (all its threads) and of `pids`."""
+    own = os.times()
+    total = own.user + own.system
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+def make_file(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 16 << 20))
+            f.write(chunk)
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+async def start_p2p() -> P2P:
+    return await P2P.create(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False
+    )
+
+
+async def p2p_fetch(client: P2P, server: P2P, size: int, sha: str, dest: Path) -> float:
+    dest.unlink(missing_ok=True)
+    began = time.perf_counter()
+    await fetch_file(client, [server.peer_id], NAME, size, sha, dest)
+    took = time.perf_counter() - began
+    assert file_matches(dest, size, sha)
+    return took
+
+
+async def tcp_copy(source: Path, dest: Path, *, hash_too: bool) -> float:
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with open(source, "rb") as f:
+            await asyncio.get_running_loop().sendfile(writer.transport, f)
+        writer.close()
+
+    tcp = await asyncio.start_server(send, "127.0.0.1", 0)
+    port = tcp.sockets[0].getsockname()[1]
+    digest = hashlib.sha256()
+    began = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    with open(dest, "wb") as out:
+        while chunk := await reader.read(READ):
+            out.write(chunk)
+            if hash_too:
+                digest.update(chunk)
+    took = time.perf_counter() - began
+    writer.close()
+    tcp.close()
+    assert dest.stat().st_size == source.stat().st_size
+    return took
+
+
+async def main(mb: int, repeat: int, piece: int, where: str | None) -> None:
+    size = mb * 1_000_000
+    with tempfile.TemporaryDirectory(prefix="datafetch-", dir=where) as tmp:
+        source, dest = Path(tmp) / "source.bin", Path(tmp) / NAME
+        sha = make_file(source, size)
+        server, client = await asyncio.gather(start_p2p(), start_p2p())
+        try:
+            own = Multiaddr(f"/p2p/{server.peer_id}")
+            maddrs = [m.decapsulate(own) for m in await server.get_visible_maddrs()]
+            await client._client.connect(server.peer_id, maddrs)
+            await serve_data(server, lambda name: source if name == NAME else None, piece_size=piece)
+            daemons = [p._child.pid for p in (server, client) if p._child is not None]
+            ratios = []
+            for i in range(repeat):
+                cpu = [cpu_seconds(daemons)]
+                p2p = await p2p_fetch(client, server, size, sha, dest)
+                cpu.append(cpu_seconds(daemons))
+                tcp = await tcp_copy(source, dest, hash_too=False)
+                cpu.append(cpu_seconds(daemons))
+                tcp_sha = await tcp_copy(source, dest, hash_too=True)
+                cpu.append(cpu_seconds(daemons))
+                per_gb = [(b - a) * 1000 / mb for a, b in zip(cpu, cpu[1:])]
+                ratios.append(tcp / p2p)
+                print(
+                    f"run {i + 1}: p2p {mb / p2p:6.1f} MB/s ({per_gb[0]:4.1f} CPU s/GB)   "
+                    f"tcp {mb / tcp:6.1f} MB/s ({per_gb[1]:4.1f})   tcp+sha {mb / tcp_sha:6.1f} MB/s ({per_gb[2]:4.1f})   "
+                    f"p2p/tcp {tcp / p2p:.2f}   p2p/(tcp+sha) {tcp_sha / p2p:.2f}"
+                )
+            print(f"median p2p/tcp ratio over {repeat} runs of {mb} MB: {statistics.median(ratios):.2f}")
+        finally:
+            await asyncio.gather(server.shutdown(), client.shutdown())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--piece-kib", type=int, default=1024)
+    parser.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
+    args = parser.parse_args()
+    asyncio.run(main(args.mb, args.repeat, args.piece_kib * 1024, args.dir))

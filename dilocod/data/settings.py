@@ -1,0 +1,62 @@
+"""`[data]`: what the run trains on, and where this machine keeps it.
+
+A run trains on one prepared dataset (`dilocod data prepare`), named by the sha256 of its index: that hash,
+not a path, is the run-wide setting (`data.dataset`, written into the manifest by the node that starts the
+run). Everything else here is local: the source the starting node prepares or takes the dataset from, how
+it prepares a source that is not prepared yet, where this machine keeps the files, and how fast it serves
+them to other peers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The ``[data]`` section of the config file."""
+
+    # The node that starts the run: "builtin" (the running Python's standard library, prepared once per
+    # machine), a prepared dataset directory, or text/JSONL/Parquet files or a directory to prepare.
+    source: str = "builtin"
+    # The tokenizer a source that is not prepared yet is prepared with: "byte" or a tokenizer.json path.
+    tokenizer: str = "byte"
+    text_field: str = "text"  # the text field of JSONL records and Parquet rows
+    eval_fraction: float = 0.02  # share of documents held out for eval when preparing (by document hash)
+    max_bytes: int = 64 * 2**20  # the builtin corpus's text is cut here
+    num_shards: int = 16  # run-wide: the train stream is cut in this many parts; a peer samples from one
+    dataset: str = (
+        ""  # run-wide: the prepared dataset's index hash ("" until the run's starting node sets it)
+    )
+    path: str = ""  # where this machine keeps the run's dataset ("" = <run dir>/data)
+    serve_bandwidth: float = (
+        0.0  # Mbit/s this node serves dataset files to other peers with at most (0: no cap)
+    )
+
+    def validate(self) -> None:
+        if not self.source:
+            raise ValueError(
+                "data.source must be 'builtin', a prepared dataset directory or a path to prepare"
+            )
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer must be 'byte' or a path to a tokenizer.json")
+        if not self.text_field:
+            raise ValueError("data.text_field must be a non-empty string")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.num_shards < 1:
+            raise ValueError(f"data.num_shards must be >= 1, got {self.num_shards}")
+        if self.max_bytes < 2:
+            raise ValueError(f"data.max_bytes must be >= 2, got {self.max_bytes}")
+        if self.dataset and not _SHA256.match(self.dataset):
+            raise ValueError(
+                f"data.dataset must be a dataset's index hash (64 hex digits), got '{self.dataset}'"
+            )
+        if not (math.isfinite(self.serve_bandwidth) and self.serve_bandwidth >= 0):
+            raise ValueError(
+                f"data.serve_bandwidth must be >= 0 (Mbit/s; 0 = no cap), got {self.serve_bandwidth}"
+            )
