@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     from dilocod.data.cli import add_data_parser
 
     add_data_parser(sub)
+    from dilocod.export.cli import add_export_parsers
+
+    add_export_parsers(sub)
     return parser
 
 
@@ -153,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dilocod.data.cli import run_data
 
         return run_data(args)
+    if args.command in ("export", "generate"):  # offline: files and torch, no network
+        from dilocod.export.cli import run_export, run_generate
+
+        return run_export(args) if args.command == "export" else run_generate(args)
     from dilocod.processes.memory import cap_malloc_arenas
 
     cap_malloc_arenas()  # before torch and hivemind start their threads: they take arenas as they go

@@ -1,0 +1,104 @@
+"""`dilocod export` and `dilocod generate`. Errors are one line and exit code 2.
+
+Importing this module is cheap (argparse only): the `dilocod` parser is built on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range 0..100")
+    return value
+
+
+def add_export_parsers(sub: Any) -> None:
+    """Register `export` and `generate` on the `dilocod` subparsers ``sub``."""
+    exp = sub.add_parser("export", help="write a run's θ_global as a Hugging Face Llama model directory")
+    exp.add_argument("--run-dir", type=Path, required=True, help="a peer's run directory (its checkpoint)")
+    exp.add_argument("--out", type=Path, required=True, help="the new model directory (must not exist)")
+    exp.add_argument(
+        "--data-path",
+        type=Path,
+        help="the run's dataset directory, for its tokenizer (default <run dir>/data)",
+    )
+
+    gen = sub.add_parser("generate", help="sample text from a run's θ_global or an exported model")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", type=Path, help="a peer's run directory (its θ_global)")
+    src.add_argument("--model", type=Path, help="a model directory `dilocod export` wrote")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=_count, default=64, help="default 64")
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=_count, default=50, help="0 = no cut (default 50)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--data-path", type=Path, help="with --run-dir: the run's dataset directory")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Run a parsed `dilocod export`; its exit code."""
+    from dilocod.export.export import export_run
+
+    def work() -> int:
+        start = time.perf_counter()
+        out = export_run(args.run_dir, args.out, data_path=args.data_path)
+        size = sum(f.stat().st_size for f in out.iterdir())
+        print(f"wrote {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s")
+        return 0
+
+    return _guarded(work)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run a parsed `dilocod generate`; its exit code. Prints the prompt and what follows it."""
+    from dilocod.export.generate import generate
+
+    def work() -> int:
+        text = generate(
+            args.model or args.run_dir, args.prompt, args.max_new_tokens, args.temperature,
+            args.top_k, args.seed, data_path=args.data_path, exported=args.model is not None,
+        )  # fmt: skip
+        print(args.prompt + text)
+        return 0
+
+    return _guarded(work)
+
+
+def _guarded(work: Any) -> int:
+    """`work()`, with every error a user can cause as one line and exit code 2."""
+    from dilocod.data.errors import DataError
+    from dilocod.export.errors import ExportError
+    from dilocod.statesync.checkpoint import CheckpointError
+
+    try:
+        return int(work())
+    except (ExportError, CheckpointError, DataError) as e:
+        print(f"dilocod: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # e.g. no space left or no permission where the model goes
+        print(f"dilocod: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
