@@ -1,5 +1,5 @@
-"""The CUDA path (marker `cuda`: skipped where torch sees no GPU, see conftest.py). Not yet run on a GPU:
-no GPU machine was available when these were written (see docs/benchmarks.md)."""
+"""The CUDA path (marker `cuda`: skipped where torch sees no GPU, see conftest.py). On a GPU machine they
+run through bench/gpu_check.sh (last: one H200, 5 passed and the 2-GPU test skipped; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
