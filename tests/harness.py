@@ -189,6 +189,14 @@ class Proc:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
 
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM, a wait of at most `timeout` s for it to exit, then reap what is left."""
+        if self.alive:
+            self.signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(timeout=timeout)
+        self.reap()
+
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 

@@ -4,11 +4,8 @@ peer offered an altered shard fetches it again from another node and bans the se
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import signal
-import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -133,11 +130,7 @@ def test_a_server_of_an_altered_shard_is_banned_and_the_shard_comes_from_another
         assert (peer.run_dir / "data" / INDEX_FILE).exists()
     finally:
         if liar is not None:
-            if liar.alive:
-                liar.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                liar.wait(timeout=20)
-            liar.reap()
+            liar.stop()
         s.close()
 
 

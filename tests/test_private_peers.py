@@ -8,9 +8,6 @@ they cannot average. (Real NATs are exercised with the network-namespace test be
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,9 +92,5 @@ def test_a_second_reducing_bootstrap_takes_parts_by_bandwidth(tmp_path: Path) ->
         assert 2.5 < ratio < 3.5, (first_reducer, second_reducer)
     finally:
         if second is not None:
-            if second.alive:
-                second.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                second.wait(timeout=20)
-            second.reap()
+            second.stop()
         s.close()
