@@ -160,16 +160,14 @@ def run_data_dir(cfg: DataConfig, run_dir: Path | None) -> Path | None:
 def find_local_copy(cfg: DataConfig, run_dir: Path | None, *, may_prepare: bool) -> Path | None:
     """A verified copy of the run's dataset (`data.dataset`) on this machine, or None (fetch it).
 
-    `data.path`, when set, must hold it (a copy of another dataset there is refused in one line); else
+    `data.path`, when set, is where it is (a copy of another dataset there is refused in one line; an
+    empty directory is where it will be fetched to); else
     `<run dir>/data`, then the dataset `data.source` gives on this machine: prepared now when `may_prepare`
     (the node that started the run), else only a builtin corpus already in the machine's cache (a peer on
     the same Python has the run's builtin corpus without a download)."""
-    if cfg.path:
-        return (
-            Path(cfg.path).expanduser()
-            if _holds(Path(cfg.path).expanduser(), cfg.dataset, strict=True)
-            else None
-        )
+    if cfg.path:  # an empty or new directory is where the download goes; another dataset there is refused
+        path = Path(cfg.path).expanduser()
+        return path if (path / INDEX_FILE).exists() and _holds(path, cfg.dataset, strict=True) else None
     own = run_data_dir(cfg, run_dir)
     if own is not None and _holds(own, cfg.dataset, strict=False):
         return own
