@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dilocod import __version__
-from dilocod.cli import EXIT_USAGE, main
+from dilocod.cli import EXIT_USAGE
 from dilocod.statesync.checkpoint import FILENAME
+from tests.tools import run_main
 
 # A whole checkpoint file of another kind (a damaged one is moved aside and the peer goes on:
 # tests/test_checkpoint_recovery.py, and tests/test_swarm.py through the CLI).
@@ -30,15 +31,6 @@ def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("dilocod: error:")]
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """`dilocod.cli.main(args)` in-process: (exit code, stderr)."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse errors
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P
 
-from dilocod.cli import EXIT_USAGE, main
+from dilocod.cli import EXIT_USAGE
 from peers.auth import Identity
 from tests.test_export import make_run
+from tests.tools import run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,14 +29,6 @@ def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse errors
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -44,3 +44,14 @@ def need_program(name: str, package: str | None = None) -> str:
 def artifact(name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS / name
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`dilocod.cli.main(args)` in-process: (exit code, stderr)."""
+    from dilocod.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse errors
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
