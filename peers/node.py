@@ -25,7 +25,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers import datashare, reachability, runinfo
+from peers import datashare, reachability, runinfo, unary
 from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
@@ -101,6 +101,7 @@ class Node:
         self.dht: hivemind.DHT | None = None
         self._identity_dir: str | None = None  # a throwaway identity's folder, when none was given
         self._identity_path: str | None = None
+        self._client_p2p: Any = None  # our p2pd, for requests we send (replicated once, on first use)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -229,6 +230,21 @@ class Node:
     ) -> datashare.DataServer:
         """Serve dataset files to peers that ask (peers/datashare.py); `resolve` maps a name to our copy."""
         return await datashare.serve_data(await self.started.replicate_p2p(), resolve, rate_limit=rate_limit)
+
+    async def serve_unary(self, protocol: str, handler: unary.Handler, *, max_request: int) -> None:
+        """Answer small requests on `protocol` with `handler(peer_id, request)` (peers/unary.py)."""
+        await unary.serve_unary(await self.started.replicate_p2p(), protocol, handler, max_request)
+
+    async def ask_unary(
+        self, maddr: str, protocol: str, request: bytes, *, timeout: float, max_reply: int
+    ) -> bytes:
+        """One request to the peer `maddr` names (its /p2p/ id; our DHT already knows how to reach it)."""
+        if self._client_p2p is None:
+            self._client_p2p = await self.started.replicate_p2p()
+        peer_id = PeerID.from_base58(str(parse_multiaddr(maddr).value_for_protocol("p2p")))
+        return await unary.ask_unary(
+            self._client_p2p, peer_id, protocol, request, timeout=timeout, max_reply=max_reply
+        )
 
     # ---- records ----------------------------------------------------------------------------------
     def run_key(self, name: str) -> str:

@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proto.schema import Field, Schema, decode, encode
+from proto.schema import Field, ProtoError, Schema, decode, encode
 
 _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=8,
+    version=9,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -63,6 +63,8 @@ STATUS = Schema(
         # v8: a peer downloading the run's state says which round it will train, so the run's clock waits.
         Field("joining", "int", optional=True, min=0),
         Field("joining_since", "float", optional=True, min=0),
+        # v9: eval loss in bits per byte of text (comparable between tokenizers).
+        Field("eval_bits_per_byte", "float", optional=True, allow_nan=True),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -92,6 +94,8 @@ on data checked later (the round ticket, the state download's hash), never on th
 - compute_utilization (v3): time in inner steps ÷ wall time since the sender started training (0–1).
 - relayed (v4): true when the sender's pseudo-gradients reach the others through a relay or a public
   reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
+- eval_bits_per_byte (v9): the eval loss as bits per UTF-8 byte of the eval text, so runs with other
+  tokenizers compare.
 - settings_hash (v6): superseded by manifest_hash; still accepted from v6 senders.
 - manifest_hash (v7): sha256 of the run manifest the sender runs with (see MANIFEST).
 - joining / joining_since (v8): set while the sender downloads the run's state (it restarted, or the run
@@ -103,9 +107,11 @@ on data checked later (the round ticket, the state download's hash), never on th
   next matchmaking with the others instead of one re-sync's duration late.
 """
 
+TICKET_SEGMENTS = 32  # chunk parts a ticket names at most (a round usually trains one or two)
+
 ROUND_TICKET = Schema(
     name="dilocod.ticket",
-    version=4,
+    version=5,
     # v3 weights each contribution by its tokens: a v2 ticket has none, and weighing it 1 would misread it.
     # v4 names the run manifest: a v3 sender cannot say which settings its contribution was made under.
     min_version=4,
@@ -123,6 +129,8 @@ ROUND_TICKET = Schema(
         Field("train_seconds", "float", min=0, max=1e9),
         # v4: the run manifest the sender runs with; members of another manifest never count.
         Field("manifest_hash", "hex", min=64, max=64),
+        # v5: where the tokens came from, (epoch, chunk, lo, hi) per trained part of a chunk, flattened.
+        Field("chunks", "list_int", optional=True, max=4 * TICKET_SEGMENTS, item_max=2**53),
     ),
 )
 """Sent by each member of a forming averaging group to all the others (all-gather) during matchmaking.
@@ -147,6 +155,10 @@ members decide the same way (who averages with whom) without another round of me
 - manifest_hash (v4): sha256 of the sender's run manifest (MANIFEST). Only members that share the
   group's majority manifest, step and θ hash are weighed; matchmaking keys carry the hash too, so peers
   of different manifests do not even meet (`peers/grouping.py`).
+
+- chunks (v5): the parts of the run's chunks (dilocod/data/schedule.py) the tokens came from, as
+  (epoch, chunk, lo, hi) groups of token offsets within each chunk, at most TICKET_SEGMENTS of them.
+  Absent when the sender trains without a schedule. What a later check of the work builds on.
 
 Version 4 is the oldest accepted: a v3 ticket names no manifest and is refused (its sender gets weight 0,
 and its group key differs anyway, see `peers/averager.py`).
@@ -226,11 +238,27 @@ def decode_status(data: bytes) -> dict[str, Any]:
 
 
 def encode_ticket(record: Mapping[str, Any]) -> bytes:
+    _check_segments(record.get("chunks"))
     return encode(ROUND_TICKET, record)
 
 
 def decode_ticket(data: bytes) -> dict[str, Any]:
-    return decode(ROUND_TICKET, data)
+    record = decode(ROUND_TICKET, data)
+    _check_segments(record.get("chunks"))
+    return record
+
+
+def _check_segments(chunks: object) -> None:
+    """A ticket's `chunks` is (epoch, chunk, lo, hi) groups, each with lo < hi."""
+    if not isinstance(chunks, list | tuple):
+        return  # absent, or the schema names the wrong type
+    where = f"{ROUND_TICKET.name} v{ROUND_TICKET.version}: field 'chunks'"
+    if len(chunks) % 4:
+        raise ProtoError(f"{where}: {len(chunks)} items, not groups of 4")
+    for i in range(0, len(chunks), 4):
+        lo, hi = chunks[i + 2], chunks[i + 3]
+        if isinstance(lo, int) and isinstance(hi, int) and not lo < hi:
+            raise ProtoError(f"{where}: part {i // 4} has lo {lo} >= hi {hi}")
 
 
 def encode_state_meta(record: Mapping[str, Any]) -> bytes:

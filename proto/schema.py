@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import msgpack
 
-KINDS = frozenset({"int", "float", "str", "bytes", "bool", "hex", "list_str"})
+KINDS = frozenset({"int", "float", "str", "bytes", "bool", "hex", "list_str", "list_int"})
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -43,7 +43,8 @@ class Field:
     """One field of a schema.
 
     `min`/`max` bound the value of numeric kinds and the length of str/bytes/hex (characters or
-    bytes) and list_str (number of items); `item_max` bounds the length of each list_str item.
+    bytes) and of lists (number of items); `item_max` bounds the length of each list_str item and the
+    value of each list_int item (list_int items are ints from 0 to `item_max`).
     """
 
     name: str
@@ -200,6 +201,18 @@ def _check_list_str(field: Field, value: Any) -> list[str]:
     return items
 
 
+def _check_list_int(field: Field, value: Any) -> list[int]:
+    if type(value) not in (list, tuple):  # exact types, as for list_str
+        raise _Invalid(f"expected list of int, got {_type_name(value)}")
+    _check_bounds(field, len(value), "number of items")
+    for index, item in enumerate(value):
+        if not _is_int(item):
+            raise _Invalid(f"item {index}: expected int, got {_type_name(item)}")
+        if not 0 <= item <= field.item_max:
+            raise _Invalid(f"item {index}: value {_show(item)} is outside 0..{field.item_max}")
+    return [int(item) for item in value]
+
+
 _CHECKERS: dict[str, Callable[[Field, Any], Any]] = {
     "int": _check_int,
     "float": _check_float,
@@ -208,6 +221,7 @@ _CHECKERS: dict[str, Callable[[Field, Any], Any]] = {
     "bytes": _check_bytes,
     "bool": _check_bool,
     "list_str": _check_list_str,
+    "list_int": _check_list_int,
 }
 
 
@@ -266,7 +280,11 @@ def encode(schema: Schema, record: Mapping[str, Any]) -> bytes:
 def _unpack_limits(schema: Schema) -> dict[str, int]:
     """msgpack container limits: no valid record needs more, and these cap what a header can claim."""
     limit = schema.max_bytes
-    list_items = [int(f.max) if f.max is not None else limit for f in schema.fields if f.kind == "list_str"]
+    list_items = [
+        int(f.max) if f.max is not None else limit
+        for f in schema.fields
+        if f.kind in ("list_str", "list_int")
+    ]
     longest_list = max(list_items, default=0)
     return {
         "max_str_len": limit,

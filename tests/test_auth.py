@@ -364,7 +364,7 @@ def test_a_peer_with_the_wrong_run_key_is_refused(swarm: Callable[..., Swarm]) -
     # The intruder is refused everywhere: in no group, not in the run's status records, and told why.
     assert all(entry["group_size"] <= 1 for entry in intruder.status()["rounds"]), intruder.status()["rounds"]
     assert s.bootstrap is not None
-    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
+    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")["peers"]
     assert {p["peer_id"] for p in run} == {st["peer_id"] for st in statuses}
     for proc in [*honest, intruder, s.bootstrap]:
         assert proc.alive, proc.output()[-2000:]

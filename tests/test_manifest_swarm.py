@@ -83,7 +83,7 @@ def test_a_bare_join_trains_in_the_run_and_the_bootstrap_keeps_its_home(
     except AssertionError as e:
         raise AssertionError(f"{e}\n{s.log_tails()}") from None
     assert s.bootstrap is not None
-    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
+    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")["peers"]
     assert run and not any(p["other_manifest"] for p in run)
 
     # A second bootstrap given the first's address serves the run's manifest, not one of its defaults.
@@ -163,7 +163,7 @@ def test_a_peer_left_with_another_manifest_never_averages_and_names_the_keys(
     assert len(warned) == 1, warned
     assert not any(e["result"] == "ok" for e in odd.status()["rounds"])
     assert s.bootstrap is not None
-    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")
+    run = get_json(f"http://127.0.0.1:{s.bootstrap.http_port}/api/run")["peers"]
     flagged = {p["peer_id"]: p["other_manifest"] for p in run}
     assert flagged.get(reason["peer_id"]) is True
     assert not any(flagged[st["peer_id"]] for st in (p.status() for p in s.peers[:2]))

@@ -35,7 +35,7 @@ def live(module_swarm: Callable[..., Swarm]) -> Swarm:
     s.wait_all_at(2, timeout=240)
     assert s.bootstrap is not None
     run_url = f"http://127.0.0.1:{s.bootstrap.http_port}/api/run"
-    wait_for("the bootstrap to list 3 peers", lambda: len(get_json(run_url)) == 3, 60)
+    wait_for("the bootstrap to list 3 peers", lambda: len(get_json(run_url)["peers"]) == 3, 60)
     return s
 
 

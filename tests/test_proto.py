@@ -84,6 +84,7 @@ status_records = st.fixed_dictionaries(
         "manifest_hash": st.none() | sha256,
         "joining": st.none() | steps,
         "joining_since": st.none() | nonneg,
+        "eval_bits_per_byte": maybe_loss,
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -98,6 +99,13 @@ ticket_records = st.fixed_dictionaries(
         "tokens_per_second": st.floats(0, 1e12),
         "train_seconds": st.floats(0, 1e9),
         "manifest_hash": sha256,
+        "chunks": st.none()
+        | st.lists(
+            st.tuples(st.integers(0, 9), st.integers(0, 2**40), st.integers(0, 2**20), st.integers(1, 2**20)).filter(
+                lambda p: p[2] < p[3]
+            ),
+            max_size=32,
+        ).map(lambda parts: [v for p in parts for v in p]),
     }
 )
 state_meta_records = st.fixed_dictionaries(
@@ -189,11 +197,13 @@ def example(schema: Schema) -> dict[str, Any]:
             "manifest_hash": "cd" * 32,
             "joining": 4,
             "joining_since": 1_699_999_995.0,
+            "eval_bits_per_byte": 1.25,
         }
     if schema is ROUND_TICKET:
         return {
             "outer_step": 3, "global_sha256": sha, "num_params": 124_000_000, "role": "peer", "bans": [],
             "tokens": 163840, "tokens_per_second": 16384.0, "train_seconds": 10.0, "manifest_hash": sha,
+            "chunks": [0, 17, 0, 4096, 0, 18, 0, 1024],
         }  # fmt: skip
     return {
         "outer_step": 3, "global_sha256": sha, "num_tensors": 300, "param_count": 150, "time": 1.0,
@@ -566,8 +576,8 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 8, 4096)
-    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 4, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 9, 4096)
+    assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 5, 4096)
     assert ROUND_TICKET.min_version == 4 and STATUS.min_version == 1
     assert (MANIFEST.name, MANIFEST.version, MANIFEST.max_bytes) == ("dilocod.manifest", 1, 16384)
     assert (STATE_META.name, STATE_META.version, STATE_META.max_bytes) == ("dilocod.state", 2, 2048)
@@ -669,3 +679,25 @@ def test_old_tickets_are_refused_by_name(version: int, missing: tuple[str, ...])
 def test_a_schema_cannot_accept_versions_beyond_its_own() -> None:
     with pytest.raises(ValueError, match="min_version"):
         Schema("s", 2, (), 100, min_version=3)
+
+
+def test_chunk_messages_round_trip_and_refuse_broken_groups() -> None:
+    from proto.chunks import decode_chunk_reply, decode_chunk_request, encode_chunk_reply, encode_chunk_request
+
+    request = {"held": [0, 3, 128, 1, 9, 0], "want": 2}
+    assert decode_chunk_request(encode_chunk_request(request)) == request
+    reply = {"leases": [0, 3, 300, 100, 50], "lease_seconds": 300.0, "epoch": 0, "epoch_fraction": 0.5,
+             "tokens_trained": 7, "chunks_trained": 1, "chunks_total": 10, "error": None}  # fmt: skip
+    assert decode_chunk_reply(encode_chunk_reply(reply)) == reply
+    with pytest.raises(ProtoError, match="not groups of 3"):
+        encode_chunk_request({"held": [0, 3], "want": 1})
+    with pytest.raises(ProtoError, match="either leases or an error"):
+        encode_chunk_reply({"lease_seconds": 3.0})
+    with pytest.raises(ProtoError, match="outside its size"):
+        encode_chunk_reply({"leases": [0, 3, 300, 100, 101]})
+    with pytest.raises(ProtoError, match="not groups of 4"):
+        encode_ticket({**example(ROUND_TICKET), "chunks": [0, 1, 2]})
+    with pytest.raises(ProtoError, match="lo 5 >= hi 5"):
+        encode_ticket({**example(ROUND_TICKET), "chunks": [0, 1, 5, 5]})
+    with pytest.raises(ProtoError, match="outside 0"):
+        encode_ticket({**example(ROUND_TICKET), "chunks": [0, -1, 0, 5]})

@@ -51,7 +51,7 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     assert s.bootstrap is not None
     run_url = f"http://127.0.0.1:{s.bootstrap.http_port}/api/run"
     run = wait_for(
-        "the bootstrap to list 3 peers", lambda: (r := get_json(run_url)) and len(r) == 3 and r, 30
+        "the bootstrap to list 3 peers", lambda: (r := get_json(run_url)["peers"]) and len(r) == 3 and r, 30
     )
     assert {p["peer_id"] for p in run} == {st["peer_id"] for st in statuses}
 
@@ -133,7 +133,7 @@ def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[.
             return float(line.split()[-1]) >= 2
 
         wait_for("the bootstrap to count the bad records", counted, 30)
-        run = get_json(f"http://127.0.0.1:{port}/api/run")
+        run = get_json(f"http://127.0.0.1:{port}/api/run")["peers"]
         assert [p["peer_id"] for p in run] == [status["peer_id"]]
         later = s.wait_all_at(status["outer_step"] + 1, timeout=60)[0]
         assert later["peer_id"] == status["peer_id"]

@@ -123,3 +123,23 @@ def test_the_ledger_survives_a_checkpoint_with_a_round_in_flight() -> None:
     other = TokenLedger(fragments=4)
     other.load_state_dict(ledger.state_dict())  # another fragment count: pending restarts at zero
     assert other.pending == [0, 0, 0, 0] and other.trained == 1500
+
+
+def test_the_chunk_parts_behind_a_contribution_travel_with_its_tokens() -> None:
+    ledger = TokenLedger()
+    ledger.stepped(512, 1.0, [(0, 7, 0, 256), (0, 7, 256, 512)])
+    ledger.stepped(512, 1.0, [(0, 7, 512, 600), (0, 9, 0, 424)])
+    ledger.send()
+    assert ledger.parts_sent == [(0, 7, 0, 600), (0, 9, 0, 424)]  # contiguous parts of a chunk merged
+    ledger.stepped(256, 0.5, [(0, 9, 424, 680)])
+    ledger.kept()  # not applied: the parts go out with the next contribution, in order
+    assert ledger.pending_parts == [[(0, 7, 0, 600), (0, 9, 0, 680)]]
+    again = TokenLedger()
+    again.load_state_dict(ledger.state_dict())  # a restart keeps them too
+    assert again.pending_parts == ledger.pending_parts
+    ledger.send()
+    ledger.applied()
+    assert ledger.parts_sent == [] and ledger.pending_parts == [[]]
+    ledger.stepped(64, 0.1, [(1, 2, 0, 64)])
+    ledger.resynced(kept_progress=False)  # progress dropped: so is the claim on its data
+    assert ledger.pending_parts == [[]]

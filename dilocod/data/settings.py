@@ -36,6 +36,11 @@ class DataConfig:
     serve_bandwidth: float = (
         0.0  # Mbit/s this node serves dataset files to other peers with at most (0: no cap)
     )
+    # The run's coordinator (bootstrap, or the node that starts the run): tokens per chunk of the chunk
+    # schedule (every token trained once per epoch; dilocod/data/schedule.py), and seconds a trainer's lease
+    # on a chunk lives without a report before the chunk goes back to the run.
+    chunk_tokens: int = 1 << 20
+    lease_seconds: float = 300.0
 
     def validate(self) -> None:
         if not self.source:
@@ -56,6 +61,10 @@ class DataConfig:
             raise ValueError(
                 f"data.dataset must be a dataset's index hash (64 hex digits), got '{self.dataset}'"
             )
+        if self.chunk_tokens < 1:
+            raise ValueError(f"data.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if not (math.isfinite(self.lease_seconds) and self.lease_seconds > 0):
+            raise ValueError(f"data.lease_seconds must be > 0, got {self.lease_seconds}")
         if not (math.isfinite(self.serve_bandwidth) and self.serve_bandwidth >= 0):
             raise ValueError(
                 f"data.serve_bandwidth must be >= 0 (Mbit/s; 0 = no cap), got {self.serve_bandwidth}"

@@ -3,7 +3,8 @@
 - `/`: the run dashboard (`dilocod/web/`, plain HTML/JS/CSS; it polls the JSON API below);
 - `/metrics`: Prometheus metrics of this node;
 - `/api/status`: this node (a peer's includes its recent rounds);
-- `/api/run`: every live peer's latest status record, from this node's view of the DHT;
+- `/api/run`: `peers`, every live peer's latest status record, from this node's view of the DHT, and
+  `dataset`, the run's progress through its dataset (the chunk schedule), as this node knows it;
 - `/api/run/manifest`: the run manifest this node runs with (`dilocod/manifest/`), with its hash;
 - `/api/history`: what this node has seen of the run over time (`dilocod.observability.history`).
 """
@@ -54,8 +55,10 @@ class HttpServer:
         run: RunFn,
         history: RunHistory | None = None,
         manifest: Callable[[], dict[str, Any] | None] | None = None,
+        dataset: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self._metrics, self._status, self._run, self._manifest = metrics, status, run, manifest
+        self._dataset = dataset
         self._history = history if history is not None else RunHistory()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -104,7 +107,8 @@ class HttpServer:
         return json_response(self._status())
 
     async def _run_handler(self, _request: web.Request) -> web.Response:
-        return json_response(await self._run())
+        dataset = self._dataset() if self._dataset is not None else None
+        return json_response({"peers": await self._run(), "dataset": dataset})
 
     async def _manifest_handler(self, _request: web.Request) -> web.Response:
         manifest = self._manifest() if self._manifest is not None else None

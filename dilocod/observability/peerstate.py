@@ -196,6 +196,7 @@ class PeerState:
             "training": self.stretch_since is not None,
             "joining": self.joining,
             "joining_since": self.joining_since,
+            "eval_bits_per_byte": self.eval_bits_per_byte,
         }
 
     @property

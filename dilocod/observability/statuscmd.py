@@ -50,7 +50,8 @@ def _get_json(url: str) -> Any:
 def fetch(base: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """This node's status and the run's live peer records, as the node at `base` sees them."""
     status = _get_json(f"{base}/api/status")
-    records = _get_json(f"{base}/api/run")
+    run = _get_json(f"{base}/api/run")
+    records = run.get("peers") if isinstance(run, dict) else None
     if not isinstance(status, dict) or not isinstance(records, list):
         raise StatusError(f"{base} did not answer like a dilocod node")
     records = [r for r in records if isinstance(r, dict) and r.get("peer_id")]

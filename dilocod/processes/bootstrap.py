@@ -14,12 +14,14 @@ from typing import Any
 
 from dilocod import __version__
 from dilocod.config import Config
+from dilocod.data.local import open_dataset
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.runview import flag_manifests, read_run
+from dilocod.processes.chunks import ChunkService, start_service
 from dilocod.processes.dataset import serve_dataset, served_status
 from dilocod.processes.helper import AuxReducer
 from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
@@ -69,6 +71,7 @@ class BootstrapDaemon:
         self._dht_records: int | None = None  # records our DHT node holds, read with the run
         self.manifests: ManifestBook | None = None
         self.data_server: DataServer | None = None
+        self.chunk_service: ChunkService | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -92,6 +95,7 @@ class BootstrapDaemon:
             if self.args.config is not None:  # the run's dataset, to peers that have no copy
                 self.data_server = await serve_dataset(self.node, self.args.config, self.metrics)
             tasks = self._start_reducing()
+            tasks += await self._coordinate_chunks()
             self.relays = await loop.run_in_executor(None, self._start_relay)
             # After the aux reducer's fork: peers ask us whether they are reachable (a dial-back), and
             # learn the relays there.
@@ -99,8 +103,9 @@ class BootstrapDaemon:
             tasks += await self._serve_manifest()
             if self.args.http_port is not None:
                 self.http = HttpServer(
-                    self.metrics, self.status, self.run_view, self.history, manifest=self._manifest_json
-                )
+                    self.metrics, self.status, self.run_view, self.history, manifest=self._manifest_json,
+                    dataset=self.dataset_progress,
+                )  # fmt: skip
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
             self._announce()
@@ -132,6 +137,23 @@ class BootstrapDaemon:
         self.manifests = ManifestBook(self.node, self.args.manifest)
         await self.node.serve_manifest(self.manifests.blob)
         return [asyncio.create_task(self.manifests.keep_published(self.stopping))]
+
+    async def _coordinate_chunks(self) -> list[asyncio.Task[None]]:
+        """Keep the run's chunk schedule (dilocod/data/schedule.py), unless we joined another bootstrap's run:
+        one run has one coordinator, the first bootstrap."""
+        cfg = self.args.config
+        if cfg is None or not cfg.data.dataset or not cfg.data.path or self.args.initial_peers:
+            return []
+        assert self.node is not None
+        index = await asyncio.to_thread(open_dataset, Path(cfg.data.path), cfg.data.dataset)
+        self.chunk_service = await start_service(
+            self.node, index.train.tokens, cfg.data.dataset, cfg.data.chunk_tokens, cfg.data.lease_seconds,
+            self.args.run_dir, serve=True,
+        )  # fmt: skip
+        return [asyncio.create_task(self.chunk_service.keep_saved(self.stopping))]
+
+    def dataset_progress(self) -> dict[str, Any] | None:
+        return self.chunk_service.progress() if self.chunk_service is not None else None
 
     def _manifest_json(self) -> dict[str, Any] | None:
         return None if self.args.manifest is None else self.args.manifest.to_json()
@@ -222,6 +244,7 @@ class BootstrapDaemon:
             "version": __version__,
             "dataset": self.args.config.data.dataset if self.args.config is not None else None,
             "data_served": served_status(self.data_server),
+            "data_schedule": self.dataset_progress(),
             # What it did as an auxiliary reducer (null with --no-reduce).
             "reducer": None
             if self.aux is None

@@ -29,6 +29,7 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
+from dilocod.processes.chunks import ChunkService, ChunkSync, local_exchange, remote_exchange, start_service
 from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
@@ -87,6 +88,8 @@ class PeerDaemon:
         self.local_group: LocalGroup | None = None  # ranks 1..N-1 when the peer trains on N devices
         self.http: HttpServer | None = None
         self.data_server: DataServer | None = None
+        self.chunk_service: ChunkService | None = None  # when we started the run: we coordinate its chunks
+        self.chunks: ChunkSync | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ---- life cycle ----------------------------------------------------------------------------------------
@@ -126,6 +129,7 @@ class PeerDaemon:
         self.driver = self._wire(resumed, self.network)
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics)
+        await self._chunk_schedule(resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
         self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
@@ -151,6 +155,33 @@ class PeerDaemon:
         )
         self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
         return cfg
+
+    async def _chunk_schedule(self, resumed: Resumed, network: Network) -> None:
+        """Take our batches from the run's chunk schedule: as its coordinator when we started the run, else
+        from the coordinator we were given. Leases come before the first step (or the reason none do)."""
+        if not self.cfg.data.dataset:
+            return
+        if self.args.initial_peers:
+            exchange = remote_exchange(network.node, self.args.initial_peers)
+        else:
+            data = self.cfg.data
+            self.chunk_service = await start_service(
+                network.node, resumed.trainer.train_tokens, data.dataset, data.chunk_tokens, data.lease_seconds,
+                self.args.run_dir, serve=not network.client,
+            )  # fmt: skip
+            self._tasks.append(asyncio.create_task(self.chunk_service.keep_saved(self.stopping)))
+            exchange = local_exchange(self.chunk_service, network.node.peer_id)
+        self.chunks = ChunkSync(resumed.cursor, exchange)
+        loop = asyncio.get_running_loop()
+        wake = self.chunks.wake
+
+        def wake_sync() -> None:  # on the trainer thread
+            loop.call_soon_threadsafe(wake.set)
+
+        resumed.cursor.on_finished = wake_sync
+        await self.chunks.once()
+        resumed.trainer.cursor = resumed.cursor
+        self._tasks.append(asyncio.create_task(self.chunks.keep_in_step(self.stopping)))
 
     def _wire(self, resumed: Resumed, network: Network) -> RoundDriver:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""
@@ -257,8 +288,9 @@ class PeerDaemon:
         if self.args.http_port is None:
             return
         self.http = HttpServer(
-            self.metrics, self.status, self.run_view, self.history, manifest=self.args.manifest.to_json
-        )
+            self.metrics, self.status, self.run_view, self.history, manifest=self.args.manifest.to_json,
+            dataset=self.dataset_progress,
+        )  # fmt: skip
         port = await self.http.start(self.args.http_host, self.args.http_port)
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
 
@@ -299,12 +331,28 @@ class PeerDaemon:
     def status(self) -> dict[str, Any]:
         status = self.state.status()
         status["data_served"] = served_status(self.data_server)
+        status["data_schedule"] = self._schedule_status()
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce
             status["matchmaking_deadline"] = round(group.matchmaking_deadline, 3)
             status["allreduce_deadline"] = round(group.deadlines.allreduce, 3)
         return status
+
+    def _schedule_status(self) -> dict[str, Any] | None:
+        if self.chunks is None or self.resumed is None:
+            return None
+        return {
+            **self.chunks.status(),
+            "coordinator": self.chunk_service is not None,
+            "unscheduled_batches": self.resumed.trainer.unscheduled_batches,
+        }
+
+    def dataset_progress(self) -> dict[str, Any] | None:
+        """The run's progress through its dataset: our own book, or what the coordinator last told us."""
+        if self.chunk_service is not None:
+            return self.chunk_service.progress()
+        return self.chunks.progress if self.chunks is not None else None
 
     async def run_view(self) -> list[dict[str, Any]]:
         if self.network is None or self.network.node.dht is None:

@@ -2,7 +2,8 @@
 
 A checkpoint holds θ_global and the outer momentum (with their step), the trainer (working copy, inner
 optimizer moments, lr schedule step, data position), the error-feedback residual, the token ledger
-(tokens trained, contributed, and behind the progress not yet averaged) and the round counters. A
+(tokens trained, contributed, and behind the progress not yet averaged, with the chunk parts they came
+from), the chunk leases held with how far each is trained, and the round counters. A
 restart therefore resumes mid-round: its progress and the tokens behind it still go out.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
 from dilocod.config import Config
+from dilocod.data.cursor import ChunkCursor
 from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import split_fragments
 from dilocod.observability.peerstate import PeerState
@@ -34,6 +36,7 @@ class Resumed:
     outer: OuterOptimizer
     feedback: ErrorFeedback | None  # error-feedback residual (int4/int2 compression)
     tokens: TokenLedger
+    cursor: ChunkCursor  # our place in the run's chunk schedule (leases and offsets)
 
 
 def build_trainer(
@@ -47,9 +50,11 @@ def build_trainer(
     if trainer.device.type == "cuda":
         outer.pin_memory()
     tokens = TokenLedger(fragments=_fragments(cfg, outer))
+    cursor = ChunkCursor(cfg.trainer.seq_len)
     if checkpoint is not None:
         try:
             _restore(cfg, run_dir, checkpoint, trainer, outer, tokens, state)
+            cursor.load_state_dict(checkpoint.get("chunks") or {})
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             reason = str(e).split("\n")[0]
             raise CheckpointError(
@@ -59,7 +64,7 @@ def build_trainer(
     state.outer_step, state.inner_step = outer.step, trainer.step
     state.global_sha256 = outer.sha256
     state.tokens_trained, state.tokens_contributed = tokens.trained, tokens.contributed
-    return Resumed(trainer, outer, feedback, tokens)
+    return Resumed(trainer, outer, feedback, tokens, cursor)
 
 
 def _fragments(cfg: Config, outer: OuterOptimizer) -> int:
@@ -128,6 +133,7 @@ def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[
         "trainer": resumed.trainer.state_dict(),
         "error_feedback": None if resumed.feedback is None else resumed.feedback.state_dict(),
         "tokens": resumed.tokens.state_dict(),
+        "chunks": resumed.cursor.state_dict(),
         "counters": {
             "rounds_ok": state.rounds_ok,
             "rounds_failed": state.rounds_failed,

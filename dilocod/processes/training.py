@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
-from dilocod.rounds.tokens import TokenLedger
+from dilocod.rounds.tokens import Part, TokenLedger
 from dilocod.trainer import InnerTrainer, StepStats
 
 T = TypeVar("T")
@@ -61,7 +61,9 @@ class TrainerThread:
             now = time.perf_counter()
             seconds, last[0] = now - last[0], now
             taken[0] += 1
-            loop.call_soon_threadsafe(self._count_step, step, loss, seconds)
+            # The chunk parts of this step, drained before the next step takes its windows.
+            parts = self._drain_parts()
+            loop.call_soon_threadsafe(self._count_step, step, loss, seconds, parts)
 
         self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
         try:
@@ -75,7 +77,11 @@ class TrainerThread:
             self.state.loss = stats.mean_loss  # the mean train loss of the round's steps
         return stats
 
-    def _count_step(self, step: int, loss: float, seconds: float) -> None:
+    def _drain_parts(self) -> list[Part]:
+        cursor = self.trainer.cursor
+        return [] if cursor is None else [(p.epoch, p.chunk, p.lo, p.hi) for p in cursor.drain()]
+
+    def _count_step(self, step: int, loss: float, seconds: float, parts: list[Part]) -> None:
         """One inner step, on the event loop: counters, throughput, the token ledger."""
         tokens = self.trainer.tokens_per_step
         self.state.inner_step = step
@@ -87,7 +93,7 @@ class TrainerThread:
         if seconds > 0:
             self._throughput(tokens / seconds, seconds)
         if self.tokens is not None:
-            self.tokens.stepped(tokens, seconds)
+            self.tokens.stepped(tokens, seconds, parts)
             self.state.tokens_trained = self.tokens.trained
             self.state.round_tokens = self.tokens.round
         self.on_step()

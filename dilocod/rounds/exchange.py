@@ -20,6 +20,7 @@ from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from peers.group import RoundOutcome
 from proto import encode_ticket
+from proto.records import TICKET_SEGMENTS
 
 log = logging.getLogger("dilocod.rounds")
 
@@ -79,6 +80,8 @@ class Exchange:
                 "tokens_per_second": tokens_per_second,
                 "train_seconds": max(0.0, seconds),
                 "manifest_hash": self.state.manifest_hash or NO_MANIFEST,
+                # The data behind the tokens (the latest parts, if a long run of failed rounds made more).
+                "chunks": [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part] or None,
             }
         )
 

@@ -12,12 +12,28 @@ so the peer must know exactly which tokens its pseudo-gradient holds:
 
 With Streaming DiLoCo each fragment syncs on its own turn and carries the progress of every token since
 it last synced, so pending tokens are kept per fragment; a fragment round contributes 1/fragments of
-its tokens to `contributed` (all fragments together carry each token once). Pure bookkeeping.
+its tokens to `contributed` (all fragments together carry each token once).
+
+The parts of the run's chunks those tokens came from (dilocod/data/cursor.py) travel the same way, so a
+round ticket names the data behind its contribution (`parts_sent`). Pure bookkeeping.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+Part = tuple[int, int, int, int]  # (epoch, chunk, lo, hi) of the run's chunk schedule
+
+
+def merged(parts: list[Part]) -> list[Part]:
+    """`parts` with contiguous parts of one chunk joined."""
+    out: list[Part] = []
+    for part in parts:
+        if out and out[-1][:2] == part[:2] and out[-1][3] == part[2]:
+            out[-1] = (*part[:2], out[-1][2], part[3])
+        else:
+            out.append(part)
+    return out
 
 
 @dataclass
@@ -30,20 +46,26 @@ class TokenLedger:
     pending: list[int] = field(default_factory=list)  # per fragment: behind progress not yet sent
     pending_seconds: list[float] = field(default_factory=list)
     sent: tuple[int, int, float] | None = None  # (fragment, tokens, seconds) of the contribution out
+    pending_parts: list[list[Part]] = field(default_factory=list)  # per fragment: chunk parts behind it
+    parts_sent: list[Part] = field(default_factory=list)  # the chunk parts of the contribution out
 
     def __post_init__(self) -> None:
         if not self.pending:
             self.pending = [0] * self.fragments
             self.pending_seconds = [0.0] * self.fragments
+        if not self.pending_parts:
+            self.pending_parts = [[] for _ in range(self.fragments)]
 
     # ---- training ---------------------------------------------------------------------------------------
-    def stepped(self, tokens: int, seconds: float) -> None:
+    def stepped(self, tokens: int, seconds: float, parts: list[Part] | None = None) -> None:
         self.trained += tokens
         self.round += tokens
         self.round_seconds += seconds
         for f in range(self.fragments):
             self.pending[f] += tokens
             self.pending_seconds[f] += seconds
+            if parts:
+                self.pending_parts[f] = merged(self.pending_parts[f] + parts)
 
     def new_round(self) -> None:
         """The run's clock opened a round: count its tokens from zero."""
@@ -56,6 +78,7 @@ class TokenLedger:
         tokens, seconds = self.pending[fragment], self.pending_seconds[fragment]
         self.pending[fragment], self.pending_seconds[fragment] = 0, 0.0
         self.sent = (fragment, tokens, seconds)
+        self.parts_sent, self.pending_parts[fragment] = self.pending_parts[fragment], []
         return tokens, seconds
 
     def applied(self, counted: float | None = None) -> float:
@@ -64,7 +87,7 @@ class TokenLedger:
         if self.sent is None:
             return 0.0
         _, tokens, _ = self.sent
-        self.sent = None
+        self.sent, self.parts_sent = None, []
         reached = float(tokens) if counted is None else min(float(tokens), max(0.0, counted))
         self.contributed += reached / self.fragments
         return reached
@@ -77,6 +100,8 @@ class TokenLedger:
         self.sent = None
         self.pending[fragment] += tokens
         self.pending_seconds[fragment] += seconds
+        self.pending_parts[fragment] = merged(self.parts_sent + self.pending_parts[fragment])
+        self.parts_sent = []
 
     def resynced(self, kept_progress: bool) -> int:
         """We adopted another θ_global; returns the tokens whose progress was dropped (0 when kept)."""
@@ -86,6 +111,7 @@ class TokenLedger:
         dropped = max(self.pending)
         self.pending = [0] * self.fragments
         self.pending_seconds = [0.0] * self.fragments
+        self.pending_parts = [[] for _ in range(self.fragments)]
         return dropped
 
     # ---- reporting ---------------------------------------------------------------------------------------
@@ -98,15 +124,18 @@ class TokenLedger:
         """For a checkpoint. A contribution still out counts as pending: a restart loses the round, but its
         progress is in the working copy the checkpoint holds, and goes out with the next one."""
         pending, seconds = list(self.pending), list(self.pending_seconds)
+        parts = [list(p) for p in self.pending_parts]
         if self.sent is not None:
             fragment, tokens, sent_seconds = self.sent
             pending[fragment] += tokens
             seconds[fragment] += sent_seconds
+            parts[fragment] = merged(self.parts_sent + parts[fragment])
         return {
             "trained": self.trained,
             "contributed": self.contributed,
             "pending": pending,
             "pending_seconds": seconds,
+            "pending_parts": [[list(p) for p in f] for f in parts],
         }
 
     def load_state_dict(self, saved: dict[str, object]) -> None:
@@ -118,3 +147,6 @@ class TokenLedger:
         if isinstance(pending, list) and isinstance(seconds, list) and len(pending) == self.fragments:
             self.pending = [int(p) for p in pending]
             self.pending_seconds = [float(s) for s in seconds]
+        parts = saved.get("pending_parts")
+        if isinstance(parts, list) and len(parts) == self.fragments:
+            self.pending_parts = [[(int(e), int(c), int(lo), int(hi)) for e, c, lo, hi in f] for f in parts]

@@ -47,6 +47,11 @@ def _windows(source: TokenSource, starts: torch.Tensor, seq_len: int) -> tuple[t
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+def batch_at(source: TokenSource, starts: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of the windows of `seq_len + 1` tokens starting at `starts` (the chunk schedule's batches)."""
+    return _windows(source, torch.tensor(starts, dtype=torch.long), seq_len)
+
+
 class _Range:
     """A contiguous part [lo, hi) of a stream, as a stream."""
 

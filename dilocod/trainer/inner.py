@@ -19,8 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dilocod.data.corpus import as_source
+from dilocod.data.cursor import ChunkCursor
+
 from . import flops
-from .data import Corpus, DataConfig, ShardSampler, eval_batches, load_corpus
+from .data import Corpus, DataConfig, ShardSampler, batch_at, eval_batches, load_corpus
 from .model import ModelConfig, Transformer, build_model, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
 from .settings import TrainerConfig, checkpointing_enabled, cpu_threads, lr_at, resolve_devices
@@ -128,6 +131,11 @@ class InnerTrainer:
         self.optimizer = self._make_optimizer()
         self.step = 0  # inner steps taken in total; drives the lr schedule
         self.data_position = 0  # index of the next batch in this peer's data stream
+        # The run's chunk schedule (set by the daemon): batches come from the chunks leased to this peer;
+        # without one, or when its leases run dry, from the sampler's random windows (`unscheduled`).
+        self.cursor: ChunkCursor | None = None
+        self.unscheduled_batches = 0
+        self._train_source = as_source(self.corpus.train)
 
     # ------------------------------------------------------------ setup
 
@@ -222,7 +230,7 @@ class InnerTrainer:
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group may scale the schedule
-        x, y = self.sampler.batch(self.data_position)
+        x, y = self._next_batch()
         micro = self.cfg.micro_batch_size
         if 0 < micro < x.shape[0]:
             loss = self._accumulate(x, y, micro)
@@ -240,6 +248,20 @@ class InnerTrainer:
             dist.all_reduce(loss)
             loss = loss / self.world_size
         return loss
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens in the training split (what the run's chunk schedule cuts into chunks)."""
+        return len(self._train_source)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Ranks > 0 of a local group draw random windows: the schedule leases to the node, not to a rank.
+        if self.cursor is not None and self.rank == 0:
+            starts = self.cursor.windows(self.cfg.batch_size)
+            if starts is not None:
+                return batch_at(self._train_source, starts, self.cfg.seq_len)
+            self.unscheduled_batches += 1
+        return self.sampler.batch(self.data_position)
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
         """Forward and backward over the batch in pieces of ``micro`` sequences (`trainer.micro_batch_size`).

@@ -202,7 +202,7 @@ function runColumn(history, field) {
 const ownCounters = []; // this node's byte counters over time, sampled by this page: [time, sent, received]
 
 // ---- rendering ---------------------------------------------------------------------------------------
-function render(status, records, history, metrics, now) {
+function render(status, records, history, metrics, now, dataset) {
   const self = status && status.peer_id;
   // A peer's own record may not be in the DHT yet: show it from its status.
   if (status && status.role === "peer" && status.peer_id && !records.some((r) => r.peer_id === status.peer_id)) {
@@ -230,7 +230,15 @@ function render(status, records, history, metrics, now) {
   $("card-step").textContent = steps.length ? Math.max(...steps) : "–";
   $("card-step-sub").textContent = steps.length ? `slowest peer at ${Math.min(...steps)}` : "";
   $("card-loss").textContent = fmt(mean(peers.map((p) => p.loss)));
-  $("card-eval").textContent = `eval ${fmt(mean(peers.map((p) => p.eval_loss)))}`;
+  const bpb = mean(peers.map((p) => p.eval_bits_per_byte));
+  $("card-eval").textContent = `eval ${fmt(mean(peers.map((p) => p.eval_loss)))}` +
+    (bpb === null ? "" : ` · ${fmt(bpb)} bits/byte`);
+  // The run's progress through its dataset (the chunk schedule), as this node last heard it.
+  $("card-data").textContent = dataset ? `${(100 * dataset.epoch_fraction).toFixed(1)}%` : "–";
+  $("card-data-sub").textContent = dataset
+    ? `epoch ${dataset.epoch} · ${fmtShort(dataset.tokens_trained)} tokens · ` +
+      `${fmtInt(dataset.chunks_trained)} chunks of ${fmtInt(dataset.chunks_total)}`
+    : "no chunk schedule heard of yet";
   const failed = sum(peers.map((p) => p.rounds_failed));
   $("card-rounds").textContent = `${fmtInt(sum(peers.map((p) => p.rounds_ok)))} / ${fmtInt(failed)}`;
   const lastRound = mean(peers.map((p) => p.last_round_seconds));
@@ -419,11 +427,11 @@ async function getHistory() {
 async function refresh() {
   const conn = $("conn");
   try {
-    const [status, records, history, metricsText] = await Promise.all([
+    const [status, run, history, metricsText] = await Promise.all([
       getJson("api/status"), getJson("api/run"), getHistory(), getText("metrics").catch(() => ""),
     ]);
     const now = Date.now() / 1000;
-    render(status, records, history, parseMetrics(metricsText), now);
+    render(status, run.peers || [], history, parseMetrics(metricsText), now, run.dataset);
     polls++;
     conn.className = "conn ok";
     conn.textContent = `live · updated ${clock(now)}`;
