@@ -41,7 +41,7 @@ Every key is **run-wide** or **local**. Run-wide keys are the run's manifest: th
 writes them, every joining peer takes them from the run, and a peer that sets one to another value than
 the run's stops with one line per key. Local keys are this machine's own (where it listens, what it
 computes on, its memory and time, its trust policy) and may differ between peers. See
-[the run manifest](protocol.md#the-run-manifest) and [troubleshooting](troubleshooting.md).
+[the run manifest](architecture.md#the-run-manifest-dilocodmanifest) and [troubleshooting](troubleshooting.md).
 """
 
 
