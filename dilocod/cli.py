@@ -135,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=_seconds, default=2.0, help="seconds between redraws (default 2)")
     status.add_argument("--count", type=int, default=0, help="with --watch: stop after this many redraws")
     status.add_argument("--wide", action="store_true", help="full peer ids")
+    config = sub.add_parser("config", help="print the configuration reference (docs/configuration.md)")
+    config.add_argument(
+        "--reference",
+        action="store_true",
+        required=True,
+        help="every key by section: type, default, run-wide or local, what it does (from the code)",
+    )
     from dilocod.data.cli import add_data_parser
 
     add_data_parser(sub)
@@ -152,6 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_status(
             args.url, watch=args.watch, interval=args.interval, count=args.count, wide=args.wide
         )
+    if args.command == "config":  # offline: the config dataclasses only
+        from dilocod.config_reference import MissingDocs, reference
+
+        try:
+            sys.stdout.write(reference())
+        except MissingDocs as e:
+            return _fail(str(e), EXIT_USAGE)
+        return 0
     if args.command == "data":  # offline, no network: nor does it need hivemind
         from dilocod.data.cli import run_data
 

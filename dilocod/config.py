@@ -39,8 +39,8 @@ class ConfigError(ValueError):
 class RunConfig:
     """`[run]`: which run this peer belongs to. Peers only ever meet peers with the same id."""
 
-    id: str = DEFAULT_RUN_ID
-    seed: int = 0
+    id: str = DEFAULT_RUN_ID  # the run: peers only meet peers with the same id (letters, digits, '-', '_')
+    seed: int = 0  # the initial θ (the same on every peer) and the data order
     # Who may take part (peers/auth.py): a shared secret of >= 16 characters, or "file:<path>" naming a
     # file of allowed peer ids; unset = an open run. A secret: never printed (no repr, redacted in describe).
     key: str | None = field(default=None, repr=False)
@@ -68,25 +68,31 @@ class RunConfig:
 class AveragingConfig:
     """`[averaging]`: how groups form and how long each phase may take."""
 
-    group_size: int = 8  # target group size; groups form with fewer when fewer peers are ready
-    min_group_size: int = 2
+    # the most trainers of a group that reduce (a share of the parts each); a group holds every live trainer
+    # of the run, so more peers than this still make one θ_global a round
+    group_size: int = 8
+    min_group_size: int = 2  # smallest group worth forming, in trainers (auxiliary reducers do not count)
     min_matchmaking_time: float = 5.0  # how long a group's leader waits for more peers to join
     matchmaking_timeout: float = 15.0  # give up looking for a group after this long
     allreduce_timeout: float = 60.0  # give up a started all-reduce after this long
     request_timeout: float = 3.0  # one matchmaking request; keep it below min_matchmaking_time
     state_timeout: float = 60.0  # one state download (re-sync) attempt
-    reducer: str = "centered_clip"  # mean | trimmed_mean | median | centered_clip
+    # mean (undefended) | trimmed_mean | median | centered_clip: how a part's contributions are combined
+    reducer: str = "centered_clip"
     trim_fraction: float = 0.2  # trimmed_mean: share cut from each side
     clip_tau: float | None = None  # centered_clip radius; unset = derived from the data
-    clip_iters: int = 20
-    clip_tol: float = 1e-6
+    clip_iters: int = 20  # centered_clip: most iterations of clipped averaging
+    clip_tol: float = 1e-6  # centered_clip: stop iterating once the centre moves less than this
     screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
     ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
-    compression: str = "int4"  # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts travel
+    # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts and averages travel (bytes a value: 4, 2,
+    # 1.008, 0.53, 0.28; blockwise with a scale a block; int4 and int2 with error feedback). int4: within
+    # 0.2 % of fp32 parts' loss with 1/7.5 of the bytes in the convergence study (docs/benchmarks.md)
+    compression: str = "int4"
     # Deadlines follow recent rounds: factor × the longest of the last 8 successful ones, between a floor
     # and the timeouts above (the ceilings). See peers/deadlines.py.
     adaptive_deadlines: bool = True
-    deadline_factor: float = 3.0
+    deadline_factor: float = 3.0  # how much longer than recent rounds a phase may take
     min_allreduce_timeout: float = 5.0  # floor of the adaptive all-reduce deadline
 
     def reducer_config(self) -> ReducerConfig:
@@ -146,6 +152,8 @@ ADVERSARY_MODES = (
 class AdversaryConfig:
     """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
 
+    # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
+    # inflate_tokens: attack the run, for testing defences only (docs/trust.md)
     mode: str = "none"
     alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
     stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
@@ -161,10 +169,12 @@ class AdversaryConfig:
 class NetConfig:
     """`[net]`: where this peer listens and how it presents itself."""
 
-    host: str = "0.0.0.0"
-    port: int = 0  # 0 = any free port
+    host: str = "0.0.0.0"  # the address this peer listens on (`--host`)
+    port: int = 0  # the port it listens on (`--port`); 0 = any free port
     announce: tuple[str, ...] = ()  # multiaddrs to advertise (port-forwarded hosts)
-    reachability: str = "auto"  # auto | public | private
+    # auto (a dial-back through the bootstrap decides at each start) | public | private (client mode: no
+    # inbound connections; needs a public reducer or a relay, docs/networking.md)
+    reachability: str = "auto"
     status_interval: float = 5.0  # seconds between this peer's status records in the DHT
     # Download bandwidth in Mbit/s. Reducers get shares of the parts in proportion (hivemind's load
     # balancing); unset = the mean of the group's stated values, or equal shares when nobody states one.

@@ -26,21 +26,21 @@ REBASE_MAX_GAP = 4
 class OuterConfig:
     """The `[outer]` section: the outer optimizer (SGD with Nesterov momentum)."""
 
-    # lr 1 and no momentum: θ_global becomes the replicas' weighted average. In the tiny preset's study
-    # (docs/benchmarks.md, "Convergence") it ended at 1.07–1.13 × data parallel's loss, the published
-    # step (lr 0.7, Nesterov momentum 0.9) at 1.20–1.21 ×; configs/small|124m|1b.toml keep the latter.
+    # The outer SGD's learning rate. lr 1 and no momentum: θ_global becomes the replicas' weighted average,
+    # 6–16 % below DiLoCo's published step (lr 0.7, Nesterov momentum 0.9) at H = 10 and 50 in every seed of
+    # the tiny preset's convergence study (docs/benchmarks.md); configs/small|124m|1b.toml keep the latter.
     lr: float = 1.0
-    momentum: float = 0.0
-    nesterov: bool = True
+    momentum: float = 0.0  # the outer SGD's momentum, in [0, 1)
+    nesterov: bool = True  # Nesterov momentum (with momentum > 0)
     # none: inner steps wait for each round; delayed: a round's all-reduce runs while the next round trains
-    # and its outer step lands one round late (see dilocod/rounds.py); streaming: one fragment of the
-    # parameters syncs every H / fragments inner steps, overlapped with them (see dilocod/streaming.py)
+    # and its outer step lands one round late (dilocod/rounds/pipeline.py); streaming: one fragment of the
+    # parameters syncs every H / fragments inner steps, overlapped with them (docs/architecture.md)
     overlap: str = "none"
     fragments: int = 4  # streaming: how many fragments the parameters are split into
     # streaming: a synced fragment's working copy becomes mix_alpha·local + (1 − mix_alpha)·θ_global
     # (0.5: the value Streaming DiLoCo uses, arXiv:2501.18512; 0: replace it by θ_global)
     mix_alpha: float = 0.5
-    # true: a peer that re-syncs to a θ_global at most REBASE_MAX_GAP outer steps ahead of its own (a
+    # true: a peer that re-syncs to a θ_global at most 4 (REBASE_MAX_GAP) outer steps ahead of its own (a
     # missed round, a peer the run's clock left behind, the losing side of a split) keeps its inner
     # progress not yet averaged, rebased onto the new θ_global, and sends it (with its tokens) in its next
     # round: every peer's tokens count. false: that progress is dropped (and the log says how many tokens)

@@ -23,30 +23,30 @@ _CHECKPOINTED_PRESETS = frozenset({"124m", "1b"})
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The ``[trainer]`` section of the config file."""
+    """`[trainer]`: the inner loop (AdamW or Muon steps on this peer's shard) and what it computes on."""
 
-    inner_steps: int = 20  # H: local steps per outer round
+    inner_steps: int = 20  # H: inner steps a round of a peer of average speed (with round.tokens = 0)
     batch_size: int = 16  # sequences per inner step and local device
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sequence
     # Sequences per forward/backward pass, gradients accumulated over batch_size / micro_batch_size of
     # them before the one optimizer step: this machine's memory, not the run's tokens per step. 0: all.
     micro_batch_size: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 50
+    lr: float = 1e-3  # the inner optimizer's peak learning rate
+    weight_decay: float = 0.1  # the inner optimizer's decoupled weight decay
+    warmup_steps: int = 50  # linear warmup to lr, in inner steps
     total_steps: int = 20000  # horizon of the cosine decay, in inner steps
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr × this
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 1  # outer rounds between evaluations
-    eval_batches: int = 4
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    eval_batches: int = 4  # held-out batches of the dataset's eval split an evaluation of θ_global takes
+    device: str = "auto"  # "auto" (CUDA with bf16 autocast when present) | "cpu" | "cuda" | "cuda:N"
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default (split between local workers)
     devices: int | str = 1  # local devices (data-parallel workers) of this peer: N >= 1 or "auto"
     compile: bool = False  # torch.compile the training forward/backward
     activation_checkpointing: bool | str = "auto"  # "auto": on for the 124m and 1b presets on CUDA
     peak_flops: float | None = None  # one device's peak FLOP/s, for MFU; unset: from the GPU's name
     # "muon" (Muon for the blocks' matrices, AdamW for the rest) | "adamw"; muon: lower loss at equal tokens in
-    # both seeds of the convergence study (docs/benchmarks.md), ~3 % more time per step on the tiny model
+    # every seed pair of the convergence study (docs/benchmarks.md), for 1.16 × the step time (tiny, a CPU)
     optimizer: str = "muon"
     muon_lr_ratio: float = 1.0  # Muon's lr = this × the schedule's lr (Muon's updates match AdamW's RMS)
 
