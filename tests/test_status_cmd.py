@@ -85,6 +85,12 @@ def test_render_without_peers() -> None:
     assert "0 peers" in text and "(no live peer records yet)" in text
 
 
+def test_the_summary_shows_the_runs_progress_through_its_dataset() -> None:
+    dataset = {"epoch": 1, "epoch_fraction": 0.256, "tokens_trained": 9, "chunks_trained": 13, "chunks_total": 11}
+    text = render({"role": "bootstrap", "peer_id": "boot", "run_id": "r1"}, [], "http://x:1", dataset=dataset)
+    assert "dataset epoch 1 25.6% (13/11 chunks)" in text.splitlines()[0]
+
+
 def test_normalize_url() -> None:
     assert normalize_url("127.0.0.1:8080/") == "http://127.0.0.1:8080"
     assert normalize_url(" https://run.example.org/ ") == "https://run.example.org"

@@ -28,7 +28,7 @@ class DataConfig:
     text_field: str = "text"  # the text field of JSONL records and Parquet rows
     eval_fraction: float = 0.02  # share of documents held out for eval when preparing (by document hash)
     max_bytes: int = 64 * 2**20  # the builtin corpus's text is cut here
-    num_shards: int = 16  # run-wide: the train stream is cut in this many parts; a peer samples from one
+    num_shards: int = 16  # without the chunk schedule (no pinned dataset): a peer samples one of this many parts
     dataset: str = (
         ""  # run-wide: the prepared dataset's index hash ("" until the run's starting node sets it)
     )
@@ -36,10 +36,9 @@ class DataConfig:
     serve_bandwidth: float = (
         0.0  # Mbit/s this node serves dataset files to other peers with at most (0: no cap)
     )
-    # The run's coordinator (bootstrap, or the node that starts the run): tokens per chunk of the chunk
-    # schedule (every token trained once per epoch; dilocod/data/schedule.py), and seconds a trainer's lease
-    # on a chunk lives without a report before the chunk goes back to the run.
+    # The coordinator's (bootstrap's): tokens per chunk of the run's chunk schedule (each trained once an epoch)
     chunk_tokens: int = 1 << 20
+    # The coordinator's: seconds a chunk lease lives without its trainer's report, then the chunk goes back
     lease_seconds: float = 300.0
 
     def validate(self) -> None:

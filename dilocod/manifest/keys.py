@@ -30,7 +30,8 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
 
 LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("key",),
-    "data": ("source", "tokenizer", "text_field", "eval_fraction", "max_bytes", "path", "serve_bandwidth"),
+    "data": ("source", "tokenizer", "text_field", "eval_fraction", "max_bytes", "path", "serve_bandwidth",
+             "chunk_tokens", "lease_seconds"),
     "trainer": (
         "eval_every", "eval_batches", "device", "threads", "devices", "compile", "activation_checkpointing",
         "peak_flops", "micro_batch_size",

@@ -47,8 +47,9 @@ def _get_json(url: str) -> Any:
         raise StatusError(f"{url} did not answer with JSON; is it a dilocod node?") from None
 
 
-def fetch(base: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """This node's status and the run's live peer records, as the node at `base` sees them."""
+def fetch(base: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """This node's status, the run's live peer records and its progress through its dataset, as the node
+    at `base` sees them."""
     status = _get_json(f"{base}/api/status")
     run = _get_json(f"{base}/api/run")
     records = run.get("peers") if isinstance(run, dict) else None
@@ -58,7 +59,8 @@ def fetch(base: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     own = status.get("peer_id")
     if status.get("role") == "peer" and own and all(r["peer_id"] != own for r in records):
         records.insert(0, {**status, "time": time.time()})  # its own record may not be in the DHT yet
-    return status, records
+    dataset = run.get("dataset")
+    return status, records, dataset if isinstance(dataset, dict) else None
 
 
 def _num(value: Any) -> float | None:
@@ -97,6 +99,7 @@ def render(
     *,
     wide: bool = False,
     now: float | None = None,
+    dataset: dict[str, Any] | None = None,
 ) -> str:
     """The whole report as text: a summary line, then one row per live peer."""
     now = time.time() if now is None else now
@@ -121,6 +124,11 @@ def render(
     if trained > 0:
         reached = sum(_num(r.get("tokens_contributed")) or 0.0 for r in peers)
         summary += f" · {100 * reached / trained:.0f}% of tokens reached θ_global"
+    if dataset and _num(dataset.get("epoch_fraction")) is not None:
+        summary += (
+            f" · dataset epoch {_i(dataset.get('epoch'))} {100 * float(dataset['epoch_fraction']):.1f}%"
+            f" ({_i(dataset.get('chunks_trained'))}/{_i(dataset.get('chunks_total'))} chunks)"
+        )
     rows = []
     for r in records:
         peer_id = str(r.get("peer_id") or "")
@@ -181,19 +189,19 @@ def run_status(
     base = normalize_url(url)
     if not watch:
         try:
-            status, records = fetch(base)
+            status, records, dataset = fetch(base)
         except StatusError as e:
             print(f"dilocod: error: {e}", file=sys.stderr)
             return 1
-        print(render(status, records, base, wide=wide), file=out, flush=True)
+        print(render(status, records, base, wide=wide, dataset=dataset), file=out, flush=True)
         return 0
     tty = out.isatty()
     shown = 0
     try:
         while True:
             try:
-                status, records = fetch(base)
-                text = render(status, records, base, wide=wide)
+                status, records, dataset = fetch(base)
+                text = render(status, records, base, wide=wide, dataset=dataset)
             except StatusError as e:
                 text = f"dilocod: {e} (retrying)"
             stamp = time.strftime("%H:%M:%S")

@@ -194,13 +194,15 @@ class ChunkSync:
         self.last_sync: float | None = None
         self.progress: dict[str, Any] | None = None  # the run's, as the coordinator last told us
 
-    async def once(self, want: int = MAX_LEASES) -> bool:
+    async def once(self, want: int = MAX_LEASES, *, quiet: bool = False) -> bool:
         """One report and request; False (and `error` says why) when no coordinator answered."""
         try:
             grants, progress = await self.exchange(self.cursor.held(), want)
         except Exception as e:
-            if self.error is None:
-                log.warning("no chunk coordinator answers (%s): training on what the leases held hold", e)
+            if self.error is None and not quiet:
+                log.warning(
+                    "no chunk coordinator answers (%s): training on the chunks leased, then on random windows", e
+                )
             self.error = str(e)[:200] or type(e).__name__
             return False
         if self.error is not None:
@@ -231,7 +233,7 @@ class ChunkSync:
                         await asyncio.wait_for(stopping.wait(), SYNC_SECONDS)
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.once(want=0), ASK_TIMEOUT)
+                await asyncio.wait_for(self.once(want=0, quiet=True), ASK_TIMEOUT)
 
     def status(self) -> dict[str, Any]:
         return {
