@@ -1,0 +1,127 @@
+"""Who checks whose work, what a check says, and what the checks add up to: the rules of contribution
+scoring, as pure functions (no tensors, no network).
+
+- **Assignment.** Each round, every full node scores one or two other contributors. The choice is seeded
+  by the round's agreed θ_global hash, so every peer computes the same table without a message, and a
+  contributor cannot pick its scorer (the hash is known only once the round before was applied).
+- **A score** compares the loss on a few sequences of the chunks the contributor's ticket named, and on as
+  many random training sequences, before and after a small step along its Δ. Real work on the claimed data
+  lowers the loss on it, and by more than on random text; a zero Δ lowers nothing, the run's last outer
+  update (copied) lowers both alike, a Δ trained on other data lowers the random text as much as the
+  claimed.
+- **A rating** smooths a peer's scores over rounds. A new peer starts provisional; a peer whose rating falls
+  below the gate counts with weight 0 until it climbs back; one that keeps failing clearly is banned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+# ---- assignment --------------------------------------------------------------------------------------------
+
+
+def _rank(seed: str, *parts: str) -> int:
+    return int.from_bytes(hashlib.sha256(":".join((seed, *parts)).encode()).digest()[:8], "big")
+
+
+def assign_scorers(
+    round_hash: str, scorers: list[str], contributors: list[str], per_scorer: int = 2
+) -> dict[str, list[str]]:
+    """scorer → the contributors it scores this round. Every contributor is scored by at least one scorer
+    other than itself whenever there is one; each scorer takes at most `per_scorer` (more when there are
+    too few scorers to cover everyone). The same inputs give the same table on every peer."""
+    table: dict[str, list[str]] = {s: [] for s in scorers}
+    order = sorted(set(contributors), key=lambda c: _rank(round_hash, "target", c))
+    pool = sorted(set(scorers), key=lambda s: _rank(round_hash, "scorer", s))
+    if not pool:
+        return table
+    limit = max(per_scorer, -(-len(order) // max(1, len(pool) - 1)))
+    for i, target in enumerate(order):
+        candidates = [pool[(i + k) % len(pool)] for k in range(len(pool))]
+        fit = [s for s in candidates if s != target and len(table[s]) < limit]
+        if fit:
+            table[fit[0]].append(target)
+    return table
+
+
+# ---- one score ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Losses:
+    """Mean losses a scorer measured at θ_global (`before`) and after a small step along Δ (`after`), on the
+    sequences of the chunks claimed and on random training sequences."""
+
+    claimed_before: float
+    claimed_after: float
+    random_before: float
+    random_after: float
+
+
+@dataclass(frozen=True)
+class Score:
+    gain: float  # relative loss drop on the claimed data (> 0: Δ helps there)
+    data_gain: float  # the drop on the claimed data beyond the drop on random data
+    passed: bool
+
+
+MIN_GAIN = 1e-4  # a relative loss drop smaller than this is no work
+MIN_DATA_GAIN = 0.0  # the claimed data must gain at least as much as random text, plus nothing
+
+
+def score(losses: Losses, min_gain: float = MIN_GAIN, min_data_gain: float = MIN_DATA_GAIN) -> Score:
+    """The verdict on one contribution from the four losses."""
+    values = (losses.claimed_before, losses.claimed_after, losses.random_before, losses.random_after)
+    if (
+        not all(v == v and abs(v) != float("inf") for v in values)
+        or min(losses.claimed_before, losses.random_before) <= 0
+    ):
+        return Score(0.0, 0.0, False)  # a loss that is not finite and positive proves nothing
+    gain = (losses.claimed_before - losses.claimed_after) / losses.claimed_before
+    random_gain = (losses.random_before - losses.random_after) / losses.random_before
+    data_gain = gain - random_gain
+    return Score(gain, data_gain, gain > min_gain and data_gain > min_data_gain)
+
+
+# ---- ratings -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RatingRule:
+    smoothing: float = 0.5  # weight of the newest score
+    provisional: float = 0.5  # a new peer's rating: enough to count, not enough to survive two failures
+    gate: float = 0.3  # below it, a peer counts with weight 0
+    ban_after: int = 4  # consecutive failed scores that get a peer banned
+
+
+@dataclass(frozen=True)
+class Rating:
+    value: float
+    failures: int = 0  # consecutive
+    scored: int = 0
+
+    @property
+    def provisional(self) -> bool:
+        return self.scored == 0
+
+
+def new_rating(rule: RatingRule) -> Rating:
+    return Rating(rule.provisional)
+
+
+def rated(rating: Rating, verdict: Score, rule: RatingRule) -> Rating:
+    """The rating after one more score: 1 for a pass, 0 for a failure, smoothed."""
+    value = (1 - rule.smoothing) * rating.value + rule.smoothing * (1.0 if verdict.passed else 0.0)
+    failures = 0 if verdict.passed else rating.failures + 1
+    return replace(rating, value=value, failures=failures, scored=rating.scored + 1)
+
+
+def gated(rating: Rating, rule: RatingRule) -> bool:
+    """Whether the peer counts with weight 0 now."""
+    return rating.value < rule.gate
+
+
+def to_ban(rating: Rating, rule: RatingRule) -> bool:
+    """Whether the peer has failed clearly and repeatedly enough to be banned like any liar."""
+    return rating.failures >= rule.ban_after

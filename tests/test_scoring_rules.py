@@ -1,0 +1,80 @@
+"""The rules of contribution scoring (dilocod/trust/scoring.py) as tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from dilocod.trust.scoring import (
+    Losses,
+    RatingRule,
+    assign_scorers,
+    gated,
+    new_rating,
+    rated,
+    score,
+    to_ban,
+)
+
+H1, H2 = "11" * 32, "22" * 32
+
+
+@pytest.mark.parametrize(
+    ("scorers", "contributors"),
+    [
+        (["a", "b"], ["a", "b"]),
+        (["a", "b", "c", "d"], ["a", "b", "c", "d"]),
+        (["a", "b"], ["a", "b", "c", "d", "e", "f", "g"]),  # few scorers, many contributors
+        (["boot"], ["a", "b", "c"]),  # a scorer that trains nothing
+        ([f"p{i}" for i in range(20)], [f"p{i}" for i in range(20)]),
+    ],
+)
+def test_every_contributor_is_scored_by_someone_else(scorers: list[str], contributors: list[str]) -> None:
+    table = assign_scorers(H1, scorers, contributors)
+    scored = [t for targets in table.values() for t in targets]
+    assert sorted(scored) == sorted(contributors)  # each once
+    assert all(scorer not in targets for scorer, targets in table.items())
+    assert table == assign_scorers(H1, list(reversed(scorers)), list(reversed(contributors)))  # order-free
+
+
+def test_the_assignment_changes_with_the_round_and_a_lone_scorer_cannot_score_itself() -> None:
+    peers = [f"p{i}" for i in range(8)]
+    assert assign_scorers(H1, peers, peers) != assign_scorers(H2, peers, peers)
+    assert assign_scorers(H1, ["a"], ["a"]) == {"a": []}
+    assert assign_scorers(H1, [], ["a"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("losses", "passed"),
+    [
+        (Losses(3.0, 2.7, 3.0, 2.9), True),  # real work: the claimed data gains, more than random text
+        (Losses(3.0, 3.0, 3.0, 3.0), False),  # a zero Δ
+        (Losses(3.0, 2.9, 3.0, 2.9), False),  # the run's last update, copied: both gain alike
+        (Losses(3.0, 2.95, 3.0, 2.8), False),  # trained on other data: random text gains more
+        (Losses(3.0, 3.2, 3.0, 3.3), False),  # Δ hurts
+        (Losses(float("nan"), 2.0, 3.0, 2.9), False),
+        (Losses(0.0, 0.0, 3.0, 2.9), False),
+    ],
+)
+def test_a_score_passes_only_real_work_on_the_claimed_data(losses: Losses, passed: bool) -> None:
+    assert score(losses).passed is passed
+
+
+def test_ratings_gate_a_failing_peer_then_ban_it_and_let_a_recovered_one_back() -> None:
+    rule = RatingRule()
+    good, bad = score(Losses(3.0, 2.7, 3.0, 2.9)), score(Losses(3.0, 3.0, 3.0, 3.0))
+    rating = new_rating(rule)
+    assert rating.provisional and not gated(rating, rule)
+    steps = []
+    for verdict in (bad, bad, good, good, bad, bad, bad, bad):
+        rating = rated(rating, verdict, rule)
+        steps.append((round(rating.value, 4), gated(rating, rule), to_ban(rating, rule)))
+    assert steps == [
+        (0.25, True, False),
+        (0.125, True, False),
+        (0.5625, False, False),  # passes bring it back
+        (0.7812, False, False),
+        (0.3906, False, False),  # one failure after good rounds does not gate
+        (0.1953, True, False),
+        (0.0977, True, False),
+        (0.0488, True, True),  # four failures in a row: banned
+    ]
