@@ -258,6 +258,11 @@ def _check_llama_shapes(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, wh
 
 def read_llama_dir(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json (as a dict) and every tensor of model.safetensors (or of its shards)."""
+    return read_config(path), _read_weights(path)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json of the model directory `path`, as a dict."""
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -266,12 +271,12 @@ def read_llama_dir(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         raise ExportError(f"{path / CONFIG_FILE}: unreadable ({e})") from None
     if not isinstance(cfg, dict):
         raise ExportError(f"{path / CONFIG_FILE}: not a JSON object")
-    return cfg, _read_weights(path)
+    return cfg
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS_FILE).exists():
-        return _load_safetensors(path / WEIGHTS_FILE)
+        return load_safetensors(path / WEIGHTS_FILE)
     if not (path / WEIGHTS_INDEX).exists():
         raise ExportError(f"{path}: no {WEIGHTS_FILE} (only safetensors checkpoints are read)")
     try:
@@ -280,11 +285,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{path / WEIGHTS_INDEX}: unreadable ({e})") from None
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors.update(_load_safetensors(path / shard))
+        tensors.update(load_safetensors(path / shard))
     return tensors
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:

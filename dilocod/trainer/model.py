@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ class ModelConfig:
     # The vocabulary the embedding and the head are sized for: the run's tokenizer's, rounded up to a
     # multiple of 64 (set by the node that starts the run, from its dataset); 0 = the preset's own (256).
     vocab_size: int = 0
+    # Run-wide: sha256 of the starting weights' model.safetensors (a Hugging Face Llama checkpoint that the
+    # node starting the run read, `--init-from`); "" = the seed's random init. See dilocod/manifest/pininit.py.
+    init: str = ""
+    # Local: a Hugging Face Llama directory on this machine that holds those weights ("" = none: a peer
+    # fetches them from the run into <run dir>/init).
+    init_from: str = ""
 
     def spec(self) -> ModelSpec:
         """The preset's shapes with the run's vocabulary."""
@@ -42,6 +49,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.vocab_size must be 0 (the preset's) or a multiple of 64, got {self.vocab_size}"
             )
+        if self.init and not re.fullmatch(r"[0-9a-f]{64}", self.init):
+            raise ValueError(f"model.init must be a sha256 (64 hex digits) or empty, got '{self.init}'")
 
 
 @dataclass(frozen=True)
