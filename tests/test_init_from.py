@@ -16,7 +16,7 @@ from dilocod.export.export import write_model
 from dilocod.export.hf import WEIGHTS_FILE
 from dilocod.export.initial import file_sha256, load_init
 from dilocod.trainer.model import ModelConfig, ModelSpec, Transformer, build_model
-from tests.harness import REPO, Swarm, wait_for
+from tests.harness import REPO, Proc, Swarm, wait_for
 from tests.tools import run_main
 
 TINY = str(REPO / "configs" / "tiny.toml")
@@ -82,6 +82,19 @@ def test_another_vocabulary_or_shape_is_one_line(capsys: pytest.CaptureFixture[s
     )
 
 
+def test_a_tokenizer_with_other_tokens_than_the_runs_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, checkpoint: Path
+) -> None:
+    from dilocod.data.tokenizer import train_bpe
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 50)
+    train_bpe([tmp_path / "text"], 260, copy / "tokenizer.json")  # the config still says 256 tokens
+    assert "another vocabulary than the run's tokenizer" in bootstrap_error(capsys, copy)
+
+
 def test_missing_damaged_or_sharded_weights_are_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, checkpoint: Path
 ) -> None:
@@ -106,26 +119,28 @@ def test_a_run_started_from_a_checkpoint_has_its_weights_at_step_0_on_every_peer
     s = Swarm(tmp_path)
     try:
         s.start_bootstrap("dilocod", "--init-from", str(checkpoint))
-        assert s.bootstrap is not None
-        boot = wait_for("the bootstrap's status", s.bootstrap.status, 60)
-        assert boot["init_weights"] == file_sha256(checkpoint / WEIGHTS_FILE)  # pinned in the manifest
         peers = [s.add_peer(), s.add_peer(bare=True)]  # the bare one has only the bootstrap's address
-
-        def at_start() -> list[dict[str, object]] | None:
-            for proc in peers:
-                assert proc.alive, f"{proc.name} exited"
-            statuses = [proc.status() for proc in peers]
-            built = all(st.get("global_sha256") not in (None, "0" * 64) for st in statuses)  # trainer built
-            return statuses if built else None
-
-        try:
-            statuses = wait_for("both peers' θ_global", at_start, 120, 0.2)
-            for status in statuses:
-                assert (status["outer_step"], status["global_sha256"]) == (0, expected), status
-            s.wait_all_at(1, timeout=120)  # and the run trains on from there
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{s.log_tails()}") from None
-        assert all(p.run_dir is not None and (p.run_dir / "init" / WEIGHTS_FILE).is_file() for p in peers)
-        assert "starting from the run's initial weights" in peers[1].output()
+        check_started_from(s, peers, expected, file_sha256(checkpoint / WEIGHTS_FILE))
+    except AssertionError as e:  # every process's last words, for a failure seen only on a busy machine
+        raise AssertionError(f"{e}\n{s.log_tails()}") from None
     finally:
         s.close()
+
+
+def check_started_from(s: Swarm, peers: list[Proc], theta_sha: str, file_sha: str) -> None:
+    assert s.bootstrap is not None
+    assert s.bootstrap.status()["init_weights"] == file_sha  # the manifest pins the checkpoint's file
+
+    def at_start() -> list[dict[str, object]] | None:
+        for proc in peers:
+            assert proc.alive, f"{proc.name} exited"
+        statuses = [proc.status() for proc in peers]
+        built = all(st.get("global_sha256") not in (None, "0" * 64) for st in statuses)  # trainer built
+        return statuses if built else None
+
+    for status in wait_for("both peers' θ_global", at_start, 120, 0.2):
+        assert (status["outer_step"], status["global_sha256"]) == (0, theta_sha), status
+    s.wait_all_at(1, timeout=120)  # and the run trains on from there
+    assert all(p.run_dir is not None and (p.run_dir / "init" / WEIGHTS_FILE).is_file() for p in peers)
+    assert "starting from the run's initial weights" in peers[1].output()
+    assert f"from weights {file_sha[:12]}" in peers[1].output()  # the run's one-line summary says so
