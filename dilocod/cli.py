@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -105,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_port,
         default=0,
         help="first of the relay's 4 ports (default: --port + 1, or free ports with --port 0)",
+    )
+    boot.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="HF_DIR",
+        help="start the run from a local Hugging Face Llama checkpoint (config.json + model.safetensors) of "
+        "the run's preset and vocabulary (sets model.init_from; the manifest pins its sha256)",
     )
     boot.add_argument("--maddr-file", type=Path, help="also write the multiaddrs to this file")
     boot.add_argument("--identity", type=Path, help="key file for a stable peer id across restarts")
@@ -276,6 +284,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from dilocod.config import config_from_raw, read_raw
     from dilocod.manifest.obtain import manifest_for_bootstrap
     from dilocod.processes.dataset import bootstrap_dataset
+    from dilocod.processes.initweights import served_init
     from dilocod.processes.runtime import run_main, setup_logging
     from peers.node import parse_multiaddr
 
@@ -289,6 +298,8 @@ def _bootstrap(args: argparse.Namespace) -> int:
         if (missing := relay_available()) is not None:
             return _fail(f"--relay: {missing}", EXIT_USAGE)
     overrides = [*args.overrides, *([f'run.id="{args.run_id}"'] if args.run_id is not None else [])]
+    if args.init_from is not None:  # a TOML string (json.dumps escapes as TOML's basic strings do)
+        overrides.append(f"model.init_from={json.dumps(str(args.init_from.expanduser().resolve()))}")
     local_raw = read_raw(args.config, overrides)
     config_from_raw(local_raw)  # this machine's own keys fail here, before the network
     setup_logging(args.run_dir / "bootstrap.log" if args.run_dir else None, verbose=args.verbose)
@@ -303,13 +314,18 @@ def _bootstrap(args: argparse.Namespace) -> int:
             )
             joined = await manifest_for_bootstrap(local_raw, args.run_dir, tuple(args.peers), key, args.host)
             joined = await bootstrap_dataset(joined, args.run_dir, tuple(args.peers), args.host)
+            # The starting weights, checked against the manifest before we serve them (a restarted
+            # bootstrap given other weights stops here).
+            files = await asyncio.to_thread(served_init, joined.config)
             print(f"run '{joined.manifest.run_id}': manifest {joined.manifest.hash}", flush=True)
-            return await _serve_bootstrap(args, joined, key)
+            return await _serve_bootstrap(args, joined, key, files)
 
     return run_main(_main())
 
 
-async def _serve_bootstrap(args: argparse.Namespace, joined: Any, identity: Path) -> int:
+async def _serve_bootstrap(
+    args: argparse.Namespace, joined: Any, identity: Path, files: dict[str, Path]
+) -> int:
     from dilocod.processes.bootstrap import BootstrapArgs, BootstrapDaemon
     from dilocod.processes.runtime import install_stop_signals
 
@@ -329,6 +345,7 @@ async def _serve_bootstrap(args: argparse.Namespace, joined: Any, identity: Path
         reduce=not args.no_reduce,
         relay=args.relay,
         relay_port=args.relay_port,
+        serve_files=files,
     )
     daemon = BootstrapDaemon(boot_args)
     install_stop_signals(daemon.stopping)

@@ -77,5 +77,9 @@ def test_four_peers_train_each_chunk_part_once_through_a_kill_and_restart(tmp_pa
         assert schedule["error"] is None and schedule["unscheduled_batches"] == 0, (name, schedule)
         # Every token the peer trained lies in a chunk part recorded as its own (the parts also hold the
         # short tails of its chunks, at most one window each).
-        assert status["tokens_trained"] <= mine.get(status["peer_id"], 0), (name, status["tokens_trained"], mine)
+        assert status["tokens_trained"] <= mine.get(status["peer_id"], 0), (
+            name,
+            status["tokens_trained"],
+            mine,
+        )
     assert len(mine) == 4

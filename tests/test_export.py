@@ -3,6 +3,7 @@ with its tokenizer and provenance, sampling, and each bad input's one line. Uses
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from dilocod.export.generate import generate, sample
 from dilocod.export.hf import WEIGHTS_FILE, from_llama, matching_preset, to_llama
 from dilocod.manifest.record import issue
 from dilocod.statesync.checkpoint import CheckpointError, UnreadableCheckpoint, save_checkpoint
-from dilocod.trainer.model import ModelConfig, Transformer, build_model
+from dilocod.trainer.model import PRESETS, ModelConfig, ModelSpec, Transformer, build_model, init_weights
 from peers.auth import Identity
 
 TEXTS = [
@@ -127,6 +128,69 @@ def test_import_then_export_is_bit_identical(tmp_path: Path) -> None:
     _, again = to_llama(back, spec)
     _, first = to_llama(params, spec)
     assert all(torch.equal(again[k], first[k]) for k in first)
+
+
+# Every preset shape family at a reduced size: (vocabulary, heads, key/value heads, tied, rope_theta, eps).
+FAMILIES = {
+    "byte-untied": ModelSpec(256, 64, 2, 4, 96, 128),  # the byte presets' family (tiny, small, 124m, 1b)
+    "bpe-tied-gqa": dataclasses.replace(  # llama-20m, llama-150m
+        PRESETS["llama-20m"], vocab_size=320, d_model=96, n_layers=2, n_heads=6, ffn_hidden=160, max_seq_len=128
+    ),
+    "bpe-untied-gqa": dataclasses.replace(  # llama-1b
+        PRESETS["llama-1b"], vocab_size=384, d_model=128, n_layers=2, n_heads=8, n_kv_heads=1, ffn_hidden=192,
+        max_seq_len=128,
+    ),
+    "bpe-tied-theta": ModelSpec(320, 64, 2, 4, 96, 128, tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5),
+}  # fmt: skip
+
+
+def family_model(spec: ModelSpec, seed: int = 2) -> Transformer:
+    model = Transformer(spec)
+    init_weights(model, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_loads_in_transformers_with_our_logits_and_imports_back_bit_identical(
+    family: str, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = FAMILIES[family]
+    model = family_model(spec)
+    params = list(model.state_dict().values())
+    write_model(tmp_path / "a", params, spec, eos=0)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["tie_word_embeddings"]) == (
+        spec.n_kv_heads,
+        spec.tie_embeddings,
+    )
+    assert (config["rope_parameters"]["rope_theta"], config["rms_norm_eps"]) == (
+        spec.rope_theta,
+        spec.norm_eps,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32).eval()
+    assert ours_vs_hf(model, hf, length=spec.max_seq_len) <= 1e-5
+
+    back_spec, back = from_llama(tmp_path / "a")
+    assert back_spec == spec
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(back, params, strict=True))
+    write_model(tmp_path / "b", back, back_spec, eos=0)
+    assert (tmp_path / "a" / WEIGHTS_FILE).read_bytes() == (tmp_path / "b" / WEIGHTS_FILE).read_bytes()
+
+
+def test_a_tied_checkpoint_that_also_stores_its_head_imports_when_the_head_is_the_embedding() -> None:
+    spec = FAMILIES["bpe-tied-gqa"]
+    config, tensors = to_llama(family_model(spec).state_dict(), spec)
+    assert "lm_head.weight" not in tensors  # as transformers saves a tied model
+    embed = tensors["model.embed_tokens.weight"]
+    assert from_llama((config, {**tensors, "lm_head.weight": embed.clone()}))[0] == spec
+    with pytest.raises(ExportError, match="lm_head.weight differs"):
+        from_llama((config, {**tensors, "lm_head.weight": embed + 1}))
 
 
 # ---------------------------------------------------------------- a run's export
@@ -286,9 +350,10 @@ def test_damaged_safetensors_on_import(tmp_path: Path, byte_export: tuple[Path, 
     [
         ({"model_type": "gpt2"}, "not a Llama model"),
         ({"architectures": ["LlamaForSequenceClassification"]}, "not a Llama causal LM"),
-        ({"num_key_value_heads": 2}, "grouped-query attention"),
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rotary embeddings"),
+        ({"num_key_value_heads": 3}, "groups of 3 key/value heads"),  # 4 heads: GQA itself is ours
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}}, "rotary embeddings of type"),
     ],
 )
 def test_config_that_is_not_our_llama_on_import(change: dict[str, object], words: str) -> None:

@@ -17,6 +17,12 @@ def test_flops_per_token_by_hand_for_tiny() -> None:
     assert flops_per_token(spec, 128, params) == expected == 6_101_760
 
 
+def test_a_tied_embedding_counts_as_the_head_matmul() -> None:
+    spec = PRESETS["llama-20m"]
+    params = count_params(build_model(ModelConfig("llama-20m"), seed=0))
+    assert flops_per_token(spec, 1024, params) == 6 * params + 12 * 6 * 384 * 1024
+
+
 def test_attention_term_grows_with_sequence_length() -> None:
     spec = PRESETS["1b"]
     short, long = flops_per_token(spec, 1024, 1_028_737_024), flops_per_token(spec, 2048, 1_028_737_024)

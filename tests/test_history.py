@@ -131,7 +131,10 @@ def test_http_routes_serve_the_dashboard_and_history() -> None:
     assert got["/static/..%2Fhttp.py"][0] == 404 and got["/static/index.html"][0] == 404
     history = json.loads(got["/api/history"][2])
     assert history["peers"]["a"]["samples"][0][PEER_FIELDS.index("loss")] is None
-    assert json.loads(got["/api/run"][2]) == {"peers": [json.loads(got["/api/run"][2])["peers"][0]], "dataset": None}
+    assert json.loads(got["/api/run"][2]) == {
+        "peers": [json.loads(got["/api/run"][2])["peers"][0]],
+        "dataset": None,
+    }
     assert json.loads(got["/api/run"][2])["peers"][0]["loss"] is None
     assert json.loads(got["/api/status"][2])["x"] is None
     assert "dilocod_outer_step" in got["/metrics"][2]

@@ -101,9 +101,9 @@ ticket_records = st.fixed_dictionaries(
         "manifest_hash": sha256,
         "chunks": st.none()
         | st.lists(
-            st.tuples(st.integers(0, 9), st.integers(0, 2**40), st.integers(0, 2**20), st.integers(1, 2**20)).filter(
-                lambda p: p[2] < p[3]
-            ),
+            st.tuples(
+                st.integers(0, 9), st.integers(0, 2**40), st.integers(0, 2**20), st.integers(1, 2**20)
+            ).filter(lambda p: p[2] < p[3]),
             max_size=32,
         ).map(lambda parts: [v for p in parts for v in p]),
     }
@@ -682,7 +682,12 @@ def test_a_schema_cannot_accept_versions_beyond_its_own() -> None:
 
 
 def test_chunk_messages_round_trip_and_refuse_broken_groups() -> None:
-    from proto.chunks import decode_chunk_reply, decode_chunk_request, encode_chunk_reply, encode_chunk_request
+    from proto.chunks import (
+        decode_chunk_reply,
+        decode_chunk_request,
+        encode_chunk_reply,
+        encode_chunk_request,
+    )
 
     request = {"held": [0, 3, 128, 1, 9, 0], "want": 2}
     assert decode_chunk_request(encode_chunk_request(request)) == request

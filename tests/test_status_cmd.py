@@ -86,7 +86,13 @@ def test_render_without_peers() -> None:
 
 
 def test_the_summary_shows_the_runs_progress_through_its_dataset() -> None:
-    dataset = {"epoch": 1, "epoch_fraction": 0.256, "tokens_trained": 9, "chunks_trained": 13, "chunks_total": 11}
+    dataset = {
+        "epoch": 1,
+        "epoch_fraction": 0.256,
+        "tokens_trained": 9,
+        "chunks_trained": 13,
+        "chunks_total": 11,
+    }
     text = render({"role": "bootstrap", "peer_id": "boot", "run_id": "r1"}, [], "http://x:1", dataset=dataset)
     assert "dataset epoch 1 25.6% (13/11 chunks)" in text.splitlines()[0]
 

@@ -15,14 +15,21 @@ PRESET_RANGES = {
     "small": (18e6, 22e6),
     "124m": (124e6 * 0.95, 124e6 * 1.05),
     "1b": (1.0e9, 1.1e9),
+    # BPE presets, at their default 32,000-token vocabulary (a run's is its tokenizer's)
+    "llama-20m": (18e6, 23e6),
+    "llama-150m": (120e6, 160e6),
+    "llama-1b": (1.0e9, 1.15e9),
 }
+BYTE_PRESETS = ("tiny", "small", "124m", "1b")
 
 
 def analytic_params(spec: ModelSpec) -> int:
-    """Embedding + head, plus per block: qkv/out (4 d^2), SwiGLU (3 d f) and two norm gains."""
-    d, f = spec.d_model, spec.ffn_hidden
-    per_block = 4 * d * d + 3 * d * f + 2 * d
-    return 2 * spec.vocab_size * d + spec.n_layers * per_block + d
+    """Embedding (+ head when untied), plus per block: q/out (2 d^2), k/v (2 d kv), SwiGLU (3 d f) and two
+    norm gains."""
+    d, f, kv = spec.d_model, spec.ffn_hidden, spec.kv_dim
+    per_block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+    embeddings = (1 if spec.tie_embeddings else 2) * spec.vocab_size * d
+    return embeddings + spec.n_layers * per_block + d
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_RANGES))
@@ -34,7 +41,40 @@ def test_preset_param_counts(preset: str) -> None:
     assert n == analytic_params(spec)
     low, high = PRESET_RANGES[preset]
     assert low <= n <= high, f"{preset}: {n:,} params"
-    assert spec.vocab_size == 256
+    assert spec.vocab_size == (256 if preset in BYTE_PRESETS else 32000)
+
+
+def test_byte_presets_keep_their_shapes_and_bpe_presets_are_llama_shaped() -> None:
+    for name in BYTE_PRESETS:  # unchanged: configs, tests and the demo rely on them
+        spec = PRESETS[name]
+        assert spec.n_kv_heads == spec.n_heads and not spec.tie_embeddings
+        assert (spec.rope_theta, spec.norm_eps) == (10000.0, 1e-6)
+
+    def shape(s: ModelSpec) -> tuple[int, ...]:
+        return (s.d_model, s.n_layers, s.n_heads, s.n_kv_heads, s.ffn_hidden, s.max_seq_len)
+
+    smol, tiny_llama = PRESETS["llama-150m"], PRESETS["llama-1b"]
+    assert shape(smol) == (576, 30, 9, 3, 1536, 2048) and smol.tie_embeddings  # SmolLM-135M's
+    assert shape(tiny_llama) == (2048, 22, 32, 4, 5632, 2048) and not tiny_llama.tie_embeddings  # TinyLlama's
+    assert PRESETS["llama-20m"].tie_embeddings and PRESETS["llama-20m"].n_kv_heads == 2
+
+
+def test_tied_model_has_no_head_tensor_and_grouped_attention_is_causal() -> None:
+    spec = ModelSpec(vocab_size=320, d_model=64, n_layers=2, n_heads=4, ffn_hidden=96, max_seq_len=64,
+                     n_kv_heads=2, tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5)  # fmt: skip
+    model = Transformer(spec)
+    assert "head.weight" not in model.state_dict() and model.head is None
+    assert model.state_dict()["blocks.0.attn.qkv.weight"].shape == (64 + 2 * 32, 64)
+    torch.nn.init.normal_(model.embed.weight, std=0.02)
+    model.eval()
+    idx = torch.randint(0, 320, (1, 32), generator=torch.Generator().manual_seed(0))
+    changed = idx.clone()
+    changed[0, 20] = (changed[0, 20] + 1) % 320
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="groups of 3 key/value heads"):
+        Transformer(ModelSpec(320, 64, 1, 4, 96, 64, n_kv_heads=3))
 
 
 def test_max_seq_lens() -> None:
@@ -44,7 +84,9 @@ def test_max_seq_lens() -> None:
 
 
 def test_unknown_preset() -> None:
-    with pytest.raises(ValueError, match=r"unknown model.preset 'x' \(choose from tiny, small, 124m, 1b\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown model.preset 'x' \(choose from tiny, small, 124m, 1b, llama-20m"
+    ):
         build_model(ModelConfig(preset="x"), seed=0)
 
 

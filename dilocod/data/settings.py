@@ -28,7 +28,9 @@ class DataConfig:
     text_field: str = "text"  # the text field of JSONL records and Parquet rows
     eval_fraction: float = 0.02  # share of documents held out for eval when preparing (by document hash)
     max_bytes: int = 64 * 2**20  # the builtin corpus's text is cut here
-    num_shards: int = 16  # without the chunk schedule (no pinned dataset): a peer samples one of this many parts
+    num_shards: int = (
+        16  # without the chunk schedule (no pinned dataset): a peer samples one of this many parts
+    )
     dataset: str = (
         ""  # run-wide: the prepared dataset's index hash ("" until the run's starting node sets it)
     )

@@ -1,12 +1,13 @@
 """Our transformer as a Hugging Face Llama checkpoint, and back.
 
-`dilocod.trainer.model` is a Llama without biases: pre-norm RMSNorm (eps 1e-6, fp32), rotary embeddings of
-base 10000 in the rotate-half layout (a head's channel i pairs with channel i + head_dim/2, exactly as
-`transformers`' `rotate_half`), a SwiGLU MLP and an untied head. So the mapping is renames plus one split:
-our fused `qkv` rows are q, k, v in that order (each `n_heads x head_dim`, head-major, as HF's projections
-are), cut into `q_proj`, `k_proj`, `v_proj`. No row permutation is needed (the permutation some converters
-apply is for Meta's interleaved-pair layout, which neither side uses); tests/test_export.py checks the
-logits agree.
+`dilocod.trainer.model` is a Llama without biases: pre-norm RMSNorm (the spec's eps, in fp32), rotary
+embeddings of base `rope_theta` in the rotate-half layout (a head's channel i pairs with channel
+i + head_dim/2, exactly as `transformers`' `rotate_half`), a SwiGLU MLP, grouped-query attention when
+`n_kv_heads < n_heads`, and a tied or untied head. So the mapping is renames plus one split: our fused `qkv`
+rows are q (`n_heads x head_dim`), k and v (`n_kv_heads x head_dim` each) in that order, head-major as HF's
+projections are, cut into `q_proj`, `k_proj`, `v_proj`. No row permutation is needed (the permutation some
+converters apply is for Meta's interleaved-pair layout, which neither side uses); tests/test_export.py
+checks the logits agree. A tied model writes no `lm_head.weight`, as `transformers` saves one.
 
 `to_llama` and `from_llama` are exact inverses (no dtype change, no arithmetic): import then export gives
 the same bytes. Importing `transformers` is slow, so only `to_llama` (which builds a `LlamaConfig`) does;
@@ -24,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dilocod.export.errors import ExportError
-from dilocod.trainer.model import PRESETS, ROPE_BASE, ModelSpec, Transformer
+from dilocod.trainer.model import PRESETS, ModelSpec, Transformer
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
-RMS_EPS = 1e-6  # dilocod.trainer.model.RMSNorm's default, which every norm of the model uses
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint (import only)
@@ -57,7 +57,13 @@ def _moved(spec: ModelSpec) -> list[tuple[str, str]]:
             (ours + "mlp.up.weight", hf + "mlp.up_proj.weight"),
             (ours + "mlp.down.weight", hf + "mlp.down_proj.weight"),
         ]
-    return [*pairs, ("norm.weight", "model.norm.weight"), ("head.weight", "lm_head.weight")]
+    pairs.append(("norm.weight", "model.norm.weight"))
+    return pairs if spec.tie_embeddings else [*pairs, ("head.weight", "lm_head.weight")]
+
+
+def _qkv_rows(spec: ModelSpec) -> list[int]:
+    """Rows of q, k and v in our fused qkv."""
+    return [spec.d_model, spec.kv_dim, spec.kv_dim]
 
 
 def _split(spec: ModelSpec) -> list[tuple[str, list[str]]]:
@@ -104,15 +110,15 @@ def llama_config_dict(
         "intermediate_size": spec.ffn_hidden,
         "num_hidden_layers": spec.n_layers,
         "num_attention_heads": spec.n_heads,
-        "num_key_value_heads": spec.n_heads,  # no grouped-query attention (yet)
+        "num_key_value_heads": spec.n_kv_heads,
         "head_dim": spec.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_seq_len,
-        "rms_norm_eps": RMS_EPS,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE},
+        "rms_norm_eps": spec.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "dtype": "float32",
@@ -125,7 +131,7 @@ def llama_tensors(params: Params, spec: ModelSpec) -> dict[str, torch.Tensor]:
     tensors = {hf: named[ours].detach().contiguous() for ours, hf in _moved(spec)}
     for ours, projections in _split(spec):
         # clone: safetensors refuses tensors that share storage, and chunks are views of qkv
-        for hf, part in zip(projections, named[ours].detach().chunk(3, dim=0)):
+        for hf, part in zip(projections, named[ours].detach().split(_qkv_rows(spec), dim=0)):
             tensors[hf] = part.clone()
     return tensors
 
@@ -146,7 +152,7 @@ def to_llama(
 def _rope_theta(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
     """(theta, rope type) from a config of transformers 5 (`rope_parameters`) or 4 (`rope_theta`)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", cfg.get("rope_theta", ROPE_BASE))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))  # LlamaConfig's default base
     return theta, rope.get("rope_type", rope.get("type", "default"))
 
 
@@ -157,19 +163,13 @@ def _refusal(cfg: Mapping[str, Any]) -> str | None:
     architectures = cfg.get("architectures") or [ARCHITECTURE]
     if ARCHITECTURE not in architectures:
         return f"not a Llama causal LM (architectures {', '.join(map(str, architectures))})"
-    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    if kv not in (None, heads):
-        return f"grouped-query attention ({kv} key/value heads for {heads}) is not supported"
-    checks = [
-        ("hidden_act", "silu"), ("tie_word_embeddings", False), ("attention_bias", False),
-        ("mlp_bias", False), ("rms_norm_eps", RMS_EPS), ("pretraining_tp", 1),
-    ]  # fmt: skip
+    checks = [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1)]
     for key, ours in checks:
-        if cfg.get(key, ours) != ours:
+        if cfg.get(key, ours) not in (ours, None):
             return f"{key} is {cfg.get(key)!r}; dilocod's model has {ours!r}"
-    theta, rope_type = _rope_theta(cfg)
-    if rope_type != "default" or theta != ROPE_BASE:
-        return f"rotary embeddings {rope_type} of base {theta}; dilocod's are default of base {ROPE_BASE:g}"
+    _, rope_type = _rope_theta(cfg)
+    if rope_type != "default":
+        return f"rotary embeddings of type {rope_type!r}; dilocod's are the default (unscaled) ones"
     return None
 
 
@@ -183,12 +183,17 @@ def spec_of_config(cfg: Mapping[str, Any], where: str = "the Llama config") -> M
             vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]),
             n_layers=int(cfg["num_hidden_layers"]), n_heads=int(cfg["num_attention_heads"]),
             ffn_hidden=int(cfg["intermediate_size"]), max_seq_len=int(cfg["max_position_embeddings"]),
+            n_kv_heads=int(cfg.get("num_key_value_heads") or 0),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),  # LlamaConfig's default
+            rope_theta=float(_rope_theta(cfg)[0]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         )  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{where}: missing or malformed field {e}") from None
     head_dim = cfg.get("head_dim") or spec.head_dim
-    if spec.d_model % spec.n_heads or head_dim != spec.head_dim or head_dim % 2:
+    if spec.n_heads < 1 or spec.d_model % spec.n_heads or head_dim != spec.head_dim or head_dim % 2:
         raise ExportError(f"{where}: {spec.n_heads} heads of size {head_dim} do not make {spec.d_model}")
+    if (problem := spec.problem()) is not None:
+        raise ExportError(f"{where}: {problem}")
     return spec
 
 
@@ -213,6 +218,7 @@ def from_llama(source: Path | tuple[Any, Mapping[str, torch.Tensor]]) -> tuple[M
         cfg = config if isinstance(config, Mapping) else config.to_dict()
         where = "the Llama config"
     spec = spec_of_config(cfg, where)
+    tensors = _untied_copy_dropped(tensors, spec, where)
     _check_llama_shapes(tensors, spec, where)
     named = {ours: tensors[hf] for ours, hf in _moved(spec)}
     for ours, projections in _split(spec):
@@ -220,12 +226,25 @@ def from_llama(source: Path | tuple[Any, Mapping[str, torch.Tensor]]) -> tuple[M
     return spec, [named[name] for name in state_dict_names(spec)]
 
 
+def _untied_copy_dropped(
+    tensors: Mapping[str, torch.Tensor], spec: ModelSpec, where: str
+) -> Mapping[str, torch.Tensor]:
+    """A tied checkpoint may still store `lm_head.weight` (some savers write both names): it must be the
+    embedding's copy, and is then dropped, since our tied model has no head of its own."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if not spec.tie_embeddings or head is None:
+        return tensors
+    if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
+        raise ExportError(f"the weights do not fit {where}: tied embeddings, but lm_head.weight differs")
+    return {name: t for name, t in tensors.items() if name != "lm_head.weight"}
+
+
 def _check_llama_shapes(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, where: str) -> None:
     """Exactly the tensors of `spec`'s Llama, each of its shape."""
     ours = _shapes(spec)
     expected = {hf: ours[name] for name, hf in _moved(spec)}
     for _, projections in _split(spec):
-        expected.update({hf: (spec.d_model, spec.d_model) for hf in projections})
+        expected.update({hf: (rows, spec.d_model) for hf, rows in zip(projections, _qkv_rows(spec))})
     if set(tensors) != set(expected):
         missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
@@ -239,6 +258,11 @@ def _check_llama_shapes(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, wh
 
 def read_llama_dir(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """config.json (as a dict) and every tensor of model.safetensors (or of its shards)."""
+    return read_config(path), _read_weights(path)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json of the model directory `path`, as a dict."""
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -247,12 +271,12 @@ def read_llama_dir(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         raise ExportError(f"{path / CONFIG_FILE}: unreadable ({e})") from None
     if not isinstance(cfg, dict):
         raise ExportError(f"{path / CONFIG_FILE}: not a JSON object")
-    return cfg, _read_weights(path)
+    return cfg
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS_FILE).exists():
-        return _load_safetensors(path / WEIGHTS_FILE)
+        return load_safetensors(path / WEIGHTS_FILE)
     if not (path / WEIGHTS_INDEX).exists():
         raise ExportError(f"{path}: no {WEIGHTS_FILE} (only safetensors checkpoints are read)")
     try:
@@ -261,11 +285,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{path / WEIGHTS_INDEX}: unreadable ({e})") from None
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors.update(_load_safetensors(path / shard))
+        tensors.update(load_safetensors(path / shard))
     return tensors
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:

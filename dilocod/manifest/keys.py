@@ -3,7 +3,7 @@ machine's own). `tests/test_manifest_keys.py` fails when a key is added to the c
 
 Run-wide: what changes the model, the dataset (by its content hash) every peer's shard is cut from, what a
 round is and how its contributions are combined and carried; peers that differ in one of them cannot
-average together, or would train something else. Local: where this machine listens and keeps its data (and
+average together, or would train something else. Local: where this machine listens and keeps its data (and a copy of the run's starting weights) (and
 how the node starting the run prepares it), what it computes on, how it spends its own memory and time (gradient accumulation keeps the run's tokens per step), how long it waits for its own
 downloads, its own trust policy, the run key (a secret: the manifest only says whether one is required),
 and the adversary modes of the test benches.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 RUN_WIDE: dict[str, tuple[str, ...]] = {
     "run": ("id", "seed"),
-    "model": ("preset", "vocab_size"),
+    "model": ("preset", "vocab_size", "init"),
     "data": ("dataset", "num_shards"),
     "trainer": (
         "inner_steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "total_steps",
@@ -30,6 +30,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
 
 LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("key",),
+    "model": ("init_from",),
     "data": ("source", "tokenizer", "text_field", "eval_fraction", "max_bytes", "path", "serve_bandwidth",
              "chunk_tokens", "lease_seconds"),
     "trainer": (

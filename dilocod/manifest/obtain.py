@@ -3,8 +3,8 @@
 - Given peers, a node asks them (`peers/runinfo.py`), checks signature and signer (`adopt.trust_problem`)
   and adopts the first good one; if none answers in `FETCH_SECONDS`, a node that ran before keeps the one
   in its run dir (with a warning), a newcomer stops with one line.
-- Given no peers, the node starts the run: the manifest in its run dir, or a new one of its own config,
-  signed with its identity.
+- Given no peers, the node starts the run: the manifest in its run dir, or a new one of its own config
+  (dataset and starting weights pinned by hash), signed with its identity.
 - A bootstrap with a run dir keeps its manifest there: restarted, it serves the same one, and refuses a
   `--config`/`--set` that contradicts it (the keys named).
 
@@ -23,6 +23,7 @@ from typing import Any
 from dilocod.config import Config, ConfigError, config_from_raw
 from dilocod.manifest.adopt import adopt, conflicts, trust_problem
 from dilocod.manifest.pindata import pin_dataset
+from dilocod.manifest.pininit import pin_init
 from dilocod.manifest.record import Manifest, ManifestError, decode, differing_keys, issue, summary
 from peers.auth import Identity, ensure_identity
 from peers.errors import PeersError
@@ -120,7 +121,7 @@ async def manifest_for_peer(
             log.warning("%s; running with the manifest we stored (%s)", e, stored.hash[:12])
             manifest = stored
     else:
-        manifest = stored or issue(pin_dataset(local)[0], _identity(run_dir or default_run_dir(local.run.id)))
+        manifest = stored or issue(pin_run(local), _identity(run_dir or default_run_dir(local.run.id)))
     final_dir = run_dir or default_run_dir(manifest.run_id)
     if final_dir != (run_dir or default_run_dir(local.run.id)):
         stored = load_stored(final_dir)
@@ -132,6 +133,11 @@ async def manifest_for_peer(
     config = adopt(manifest, local_raw)
     store(final_dir, manifest)
     return Joined(config, manifest), final_dir
+
+
+def pin_run(config: Config) -> Config:
+    """A new run's config with its dataset and then its starting weights pinned (their hashes, not paths)."""
+    return pin_init(pin_dataset(config)[0])
 
 
 def _identity(run_dir: Path) -> Identity:
@@ -156,7 +162,7 @@ async def manifest_for_bootstrap(
         except PeersError as e:
             raise ManifestError(str(e)) from None
     else:
-        manifest = issue(pin_dataset(config_from_raw(local_raw))[0], ensure_identity(identity_path))
+        manifest = issue(pin_run(config_from_raw(local_raw)), ensure_identity(identity_path))
     lines = conflicts(manifest, local_raw)
     if lines:
         where = f"the manifest in {run_dir}" if stored is not None else "the run's manifest"

@@ -132,7 +132,7 @@ def decode(blob: bytes) -> Manifest:
 
 
 def summary(manifest: Manifest) -> str:
-    """The run in one line: preset, H, codec, reducer, overlap, round tokens."""
+    """The run in one line: preset, H, codec, reducer, overlap, round tokens (and its starting weights)."""
     v = manifest.value
     tokens = v("round.tokens")
     parts = [
@@ -140,6 +140,8 @@ def summary(manifest: Manifest) -> str:
         str(v("averaging.reducer")), f"overlap {v('outer.overlap')}",
         f"round {tokens} tokens" if tokens else "round auto", f"group {v('averaging.group_size')}",
     ]  # fmt: skip
+    if v("model.init"):
+        parts.append(f"from weights {str(v('model.init'))[:12]}")
     if manifest.key_required:
         parts.append("run key required")
     return ", ".join(parts)

@@ -8,7 +8,7 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class BootstrapArgs:
     reduce: bool = True  # join every round as an auxiliary reducer (peers behind NAT need one)
     relay: bool = False  # run a circuit relay that carries pseudo-gradients between NATed peers
     relay_port: int = 0  # first of the relay's ports (0: bootstrap port + 1, or free ports)
+    serve_files: dict[str, Path] = field(default_factory=dict)  # beside the dataset: the starting weights
 
 
 class BootstrapDaemon:
@@ -93,7 +94,8 @@ class BootstrapDaemon:
                 self.args.identity_path.parent.mkdir(parents=True, exist_ok=True)
             await loop.run_in_executor(None, self.node.start)
             if self.args.config is not None:  # the run's dataset, to peers that have no copy
-                self.data_server = await serve_dataset(self.node, self.args.config, self.metrics)
+                config, files = self.args.config, self.args.serve_files
+                self.data_server = await serve_dataset(self.node, config, self.metrics, files)
             tasks = self._start_reducing()
             tasks += await self._coordinate_chunks()
             self.relays = await loop.run_in_executor(None, self._start_relay)
@@ -243,6 +245,8 @@ class BootstrapDaemon:
             "uptime_seconds": time.time() - self.started,
             "version": __version__,
             "dataset": self.args.config.data.dataset if self.args.config is not None else None,
+            # sha256 of the weights θ_global started from (--init-from); null: the seed's random init
+            "init_weights": (self.args.config.model.init or None) if self.args.config is not None else None,
             "data_served": served_status(self.data_server),
             "data_schedule": self.dataset_progress(),
             # What it did as an auxiliary reducer (null with --no-reduce).

@@ -201,7 +201,8 @@ class ChunkSync:
         except Exception as e:
             if self.error is None and not quiet:
                 log.warning(
-                    "no chunk coordinator answers (%s): training on the chunks leased, then on random windows", e
+                    "no chunk coordinator answers (%s): training on the chunks leased, then on random windows",
+                    e,
                 )
             self.error = str(e)[:200] or type(e).__name__
             return False
@@ -215,7 +216,9 @@ class ChunkSync:
         if self.syncs == 1:  # what we train first (after a restart: the leases still ours, where they stand)
             log.info(
                 "chunk leases: %s",
-                ", ".join(f"epoch {g.epoch} chunk {g.chunk} from token {g.offset} of {g.size}" for g in grants)
+                ", ".join(
+                    f"epoch {g.epoch} chunk {g.chunk} from token {g.offset} of {g.size}" for g in grants
+                )
                 or "none",
             )
         return True

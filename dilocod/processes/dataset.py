@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -73,7 +73,7 @@ async def fetch_dataset(
     dest.mkdir(parents=True, exist_ok=True)
     p2p = await start_client(host)
     try:
-        peers = await _dial_all(p2p, servers)
+        peers = await dial_all(p2p, servers)
         if not peers:
             raise DataError(f"cannot fetch the run's dataset: none of {', '.join(servers)} answers")
         fetcher = _Fetcher(p2p, peers, dest, state, metrics, ban)
@@ -85,7 +85,7 @@ async def fetch_dataset(
     return with_path(cfg, dest)
 
 
-async def _dial_all(p2p: P2P, servers: Sequence[str]) -> list[PeerID]:
+async def dial_all(p2p: P2P, servers: Sequence[str]) -> list[PeerID]:
     peers = []
     for text in servers:
         try:
@@ -214,8 +214,11 @@ async def bootstrap_dataset(joined: Joined, run_dir: Path | None, peers: Sequenc
     return replace(joined, config=cfg)
 
 
-async def serve_dataset(node: Node, cfg: Config, metrics: Metrics) -> DataServer | None:
-    """Serve our copy of the run's dataset to peers that ask (its index, tokenizer and shards, nothing else)."""
+async def serve_dataset(
+    node: Node, cfg: Config, metrics: Metrics, extra: Mapping[str, Path] | None = None
+) -> DataServer | None:
+    """Serve our copy of the run's dataset to peers that ask (its index, tokenizer and shards, nothing else),
+    and the `extra` files by name (the run's starting weights, `initweights.py`)."""
     if not cfg.data.path:
         return None
     directory = Path(cfg.data.path)
@@ -226,9 +229,11 @@ async def serve_dataset(node: Node, cfg: Config, metrics: Metrics) -> DataServer
         return None
     names = {INDEX_FILE, TOKENIZER_FILE, *(info.file for info in index.files())}
 
+    extras = dict(extra or {})
+
     def resolve(name: str) -> Path | None:
-        path = directory / name
-        return path if name in names and path.is_file() else None
+        path = extras.get(name) or directory / name
+        return path if (name in names or name in extras) and path.is_file() else None
 
     rate = cfg.data.serve_bandwidth * 1e6 / 8 if cfg.data.serve_bandwidth > 0 else None
     server = await node.serve_data(resolve, rate_limit=rate)

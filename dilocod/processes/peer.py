@@ -31,6 +31,7 @@ from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
 from dilocod.processes.chunks import ChunkService, ChunkSync, local_exchange, remote_exchange, start_service
 from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
@@ -109,6 +110,10 @@ class PeerDaemon:
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
             log.warning("%s", note)
         checkpoint = opened.state
+        if checkpoint is None:  # θ at step 0 may be the run's starting weights: this node needs a copy
+            self.cfg = await ensure_init(
+                self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
+            )
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         resumed = await loop.run_in_executor(
             self.pool, lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state)
@@ -128,7 +133,8 @@ class PeerDaemon:
         self._describe_network(self.network)
         self.driver = self._wire(resumed, self.network)
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
-            self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics)
+            init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
+            self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
         await self._chunk_schedule(resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
@@ -149,9 +155,14 @@ class PeerDaemon:
         if found is not None:
             return found
         self.state.phase = "fetching data"
-        host = "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
         cfg = await fetch_dataset(
-            self.cfg, args.run_dir, args.initial_peers, host, self.state, self.metrics, self.bans.ban
+            self.cfg,
+            args.run_dir,
+            args.initial_peers,
+            self._client_host(),
+            self.state,
+            self.metrics,
+            self.bans.ban,
         )
         self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
         return cfg
@@ -182,6 +193,9 @@ class PeerDaemon:
         await self.chunks.once()
         resumed.trainer.cursor = resumed.cursor
         self._tasks.append(asyncio.create_task(self.chunks.keep_in_step(self.stopping)))
+
+    def _client_host(self) -> str:
+        return "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
 
     def _wire(self, resumed: Resumed, network: Network) -> RoundDriver:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""

@@ -22,7 +22,10 @@ from dilocod.config import Config
 from dilocod.data.cursor import ChunkCursor
 from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import split_fragments
+from dilocod.export.errors import ExportError
+from dilocod.export.initial import load_init
 from dilocod.observability.peerstate import PeerState
+from dilocod.processes.initweights import init_weights_file
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.checkpoint import CheckpointError
 from dilocod.trainer import InnerTrainer
@@ -46,6 +49,8 @@ def build_trainer(
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key)
+    if checkpoint is None and cfg.model.init:
+        _start_from_init(cfg, trainer)
     outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
     if trainer.device.type == "cuda":
         outer.pin_memory()
@@ -65,6 +70,19 @@ def build_trainer(
     state.global_sha256 = outer.sha256
     state.tokens_trained, state.tokens_contributed = tokens.trained, tokens.contributed
     return Resumed(trainer, outer, feedback, tokens, cursor)
+
+
+def _start_from_init(cfg: Config, trainer: InnerTrainer) -> None:
+    """θ at outer step 0 is the run's starting weights (`--init-from`), not the seed's random init: the
+    working copy takes them before θ_global is copied from it."""
+    path = init_weights_file(cfg)
+    if path is None:  # ensure_init ran before us: a peer never gets here without its copy
+        raise CheckpointError("the run starts from pinned weights (model.init), but this node has no copy")
+    try:
+        trainer.load_params(load_init(path, trainer.model.spec))
+    except ExportError as e:
+        raise CheckpointError(f"the run's starting weights: {e}") from None
+    log.info("starting from the run's initial weights %s (%s)", cfg.model.init[:12], path)
 
 
 def _fragments(cfg: Config, outer: OuterOptimizer) -> int:

@@ -48,10 +48,11 @@ def flops_per_token(spec: ModelSpec, seq_len: int, num_params: int) -> float:
     """Training FLOPs (forward + backward) per token: 6·N + 12·layers·d_model·seq_len.
 
     N counts the parameters that take part in matrix multiplies: all but the input embedding, whose
-    lookup costs no FLOPs. The second term is attention's scores and weighted sum (PaLM's formula;
-    it does not halve for the causal mask).
+    lookup costs no FLOPs (a tied embedding is also the head, a matrix multiply: it counts). The second
+    term is attention's scores and weighted sum (PaLM's formula; it does not halve for the causal mask).
     """
-    matmul_params = num_params - spec.vocab_size * spec.d_model
+    lookup_only = 0 if spec.tie_embeddings else spec.vocab_size * spec.d_model
+    matmul_params = num_params - lookup_only
     return 6.0 * matmul_params + 12.0 * spec.n_layers * spec.d_model * seq_len
 
 

@@ -1,17 +1,19 @@
-"""A small decoder-only transformer over byte tokens.
+"""A small decoder-only transformer: a Hugging Face Llama without biases.
 
-Pre-norm blocks with RMSNorm, rotary position embeddings, SwiGLU MLPs and causal
-``scaled_dot_product_attention``; no biases anywhere. The embedding and the output head are
-*untied*: with a 256-token byte vocabulary each is only ``256 * d_model`` parameters, so tying
-saves nothing worth having, while untied weights let the head and the input embedding specialise
-and keep every parameter a distinct tensor (simpler for code that flattens parameters for the
-outer DiLoCo step).
+Pre-norm blocks with RMSNorm (computed in fp32), rotary position embeddings (rotate-half layout, base
+`rope_theta`), SwiGLU MLPs and causal ``scaled_dot_product_attention``, optionally with grouped-query
+attention (`n_kv_heads` < `n_heads`). The byte presets keep the embedding and the output head *untied*:
+with a 256-token vocabulary each is only ``256 * d_model`` parameters, so tying saves nothing worth having.
+The BPE presets tie them, as the published small Llamas do, because there the embedding is a large share
+of the model. A tied model has no head tensor at all (the head is the embedding's transpose), so every
+parameter stays a distinct tensor for the code that flattens parameters for the outer DiLoCo step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +26,17 @@ from torch.utils.checkpoint import checkpoint
 class ModelConfig:
     """`[model]`: the transformer's shapes."""
 
-    preset: str = "tiny"  # tiny (0.9M parameters with the byte tokenizer) | small (20.7M) | 124m | 1b
+    # byte presets tiny (0.9M parameters) | small (20.7M) | 124m | 1b; for BPE runs llama-20m | llama-150m | llama-1b
+    preset: str = "tiny"
     # The vocabulary the embedding and the head are sized for: the run's tokenizer's, rounded up to a
     # multiple of 64 (set by the node that starts the run, from its dataset); 0 = the preset's own (256).
     vocab_size: int = 0
+    # Run-wide: sha256 of the starting weights' model.safetensors (a Hugging Face Llama checkpoint that the
+    # node starting the run read, `--init-from`); "" = the seed's random init. See dilocod/manifest/pininit.py.
+    init: str = ""
+    # Local: a Hugging Face Llama directory on this machine that holds those weights ("" = none: a peer
+    # fetches them from the run into <run dir>/init).
+    init_from: str = ""
 
     def spec(self) -> ModelSpec:
         """The preset's shapes with the run's vocabulary."""
@@ -41,6 +50,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.vocab_size must be 0 (the preset's) or a multiple of 64, got {self.vocab_size}"
             )
+        if self.init and not re.fullmatch(r"[0-9a-f]{64}", self.init):
+            raise ValueError(f"model.init must be a sha256 (64 hex digits) or empty, got '{self.init}'")
 
 
 @dataclass(frozen=True)
@@ -51,15 +62,45 @@ class ModelSpec:
     n_heads: int
     ffn_hidden: int
     max_seq_len: int
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = n_heads (none)
+    tie_embeddings: bool = False  # the head is the input embedding's transpose
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads == 0:  # one spelling per shape: equal specs compare equal
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_dim(self) -> int:
+        """Rows of k (and of v) in the fused qkv projection."""
+        return self.n_kv_heads * self.head_dim
 
-# Parameter totals (exact, see count_params): tiny 918,656; small 20,716,032;
-# 124m 123,101,952; 1b 1,028,737,024. With only 256 tokens nearly all parameters live in the
-# blocks, so "124m" is deeper than GPT-2 small (16 layers, not 12) to reach the same size.
+    def problem(self) -> str | None:
+        """Why this spec is no model (None: it is one)."""
+        if self.n_heads < 1 or self.d_model % self.n_heads or self.head_dim % 2:
+            return f"d_model {self.d_model} must split into {self.n_heads} heads of even size"
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            return f"{self.n_heads} heads do not split into groups of {self.n_kv_heads} key/value heads"
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            return f"rope_theta {self.rope_theta} and norm_eps {self.norm_eps} must be positive"
+        return None
+
+
+# Byte presets (vocabulary 256; tests, the demo): tiny 918,656 parameters; small 20,716,032; 124m
+# 123,101,952; 1b 1,028,737,024 (exact, see count_params). With only 256 tokens nearly all parameters live
+# in the blocks, so "124m" is deeper than GPT-2 small (16 layers, not 12) to reach the same size.
+#
+# BPE presets: the vocabulary is the run's tokenizer's (model.vocab_size, set when the run's dataset is
+# pinned); the 32,000 here only sizes them when none is given. Totals at 32,000 tokens: llama-20m
+# 21,730,176; llama-150m 124,635,456 (134,515,008 at SmolLM's 49,152); llama-1b 1,100,048,384.
+# llama-150m is SmolLM-135M's shape and llama-1b TinyLlama-1.1B's (both Llama checkpoints that
+# `--init-from` can start from when the run uses their tokenizer); llama-20m is a scaled-down sibling.
+_BPE_VOCAB = 32000
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(vocab_size=256, d_model=128, n_layers=4, n_heads=4, ffn_hidden=384, max_seq_len=256),
     "small": ModelSpec(vocab_size=256, d_model=512, n_layers=6, n_heads=8, ffn_hidden=1536, max_seq_len=1024),
@@ -67,9 +108,21 @@ PRESETS: dict[str, ModelSpec] = {
         vocab_size=256, d_model=768, n_layers=16, n_heads=12, ffn_hidden=2304, max_seq_len=1024
     ),
     "1b": ModelSpec(vocab_size=256, d_model=2048, n_layers=20, n_heads=16, ffn_hidden=5632, max_seq_len=2048),
-}
+    "llama-20m": ModelSpec(
+        vocab_size=_BPE_VOCAB, d_model=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_hidden=1024,
+        max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5,
+    ),
+    "llama-150m": ModelSpec(
+        vocab_size=_BPE_VOCAB, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden=1536,
+        max_seq_len=2048, tie_embeddings=True, norm_eps=1e-5,
+    ),
+    "llama-1b": ModelSpec(
+        vocab_size=_BPE_VOCAB, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_hidden=5632,
+        max_seq_len=2048, norm_eps=1e-5,
+    ),
+}  # fmt: skip
 
-ROPE_BASE = 10000.0
+ROPE_BASE = 10000.0  # the byte presets' rotary base (a spec's own is `rope_theta`)
 INIT_STD = 0.02
 
 
@@ -86,11 +139,11 @@ class RMSNorm(nn.Module):
         return (normed * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [seq_len, head_dim // 2] for rotary embeddings."""
-    inv_freq = 1.0 / (
-        ROPE_BASE ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    )
+def rope_tables(
+    seq_len: int, head_dim: int, device: torch.device, theta: float = ROPE_BASE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [seq_len, head_dim // 2] for rotary embeddings of base `theta`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -109,17 +162,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.n_heads = spec.n_heads
-        self.head_dim = spec.head_dim
-        self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, spec.head_dim
+        # Rows: q (n_heads heads), then k and v (n_kv_heads heads each), every head's rows together.
+        self.qkv = nn.Linear(spec.d_model, spec.d_model + 2 * spec.kv_dim, bias=False)
         self.out = nn.Linear(spec.d_model, spec.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((d, kv, kv), dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Query head h reads key/value head h // (n_heads / n_kv_heads), as HF's repeat_kv has it.
+        grouped = self.n_kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -137,9 +195,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(spec.d_model)
+        self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.attn = Attention(spec)
-        self.mlp_norm = RMSNorm(spec.d_model)
+        self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.mlp = SwiGLU(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,15 +208,16 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        if spec.d_model % spec.n_heads or spec.head_dim % 2:
-            raise ValueError(f"d_model {spec.d_model} must split into {spec.n_heads} heads of even size")
+        if (problem := spec.problem()) is not None:
+            raise ValueError(problem)
         self.spec = spec
         # Recompute activations in backward to trade compute for memory on large presets.
         self.activation_checkpointing = False
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
-        self.norm = RMSNorm(spec.d_model)
-        self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        self.norm = RMSNorm(spec.d_model, spec.norm_eps)
+        # Tied: no head module, so no second name for the embedding in state_dict or parameters().
+        self.head = None if spec.tie_embeddings else nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         # RoPE tables are derived data, not state: kept out of state_dict (so parameters are the
         # whole state) and rebuilt lazily per (length, device).
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -166,7 +225,7 @@ class Transformer(nn.Module):
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(seq_len, self.spec.head_dim, device)
+            self._rope_cache[key] = rope_tables(seq_len, self.spec.head_dim, device, self.spec.rope_theta)
         return self._rope_cache[key]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -181,7 +240,8 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else F.linear(x, self.embed.weight)
 
 
 def _uniform_(tensor: torch.Tensor, std: float, gen: torch.Generator) -> None:

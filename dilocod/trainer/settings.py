@@ -18,7 +18,7 @@ from .optim import OPTIMIZERS
 
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Presets whose activations dominate GPU memory: `activation_checkpointing = "auto"` turns it on for them.
-_CHECKPOINTED_PRESETS = frozenset({"124m", "1b"})
+_CHECKPOINTED_PRESETS = frozenset({"124m", "1b", "llama-150m", "llama-1b"})
 
 
 @dataclass(frozen=True)
