@@ -239,12 +239,16 @@ class Node:
         self, maddr: str, protocol: str, request: bytes, *, timeout: float, max_reply: int
     ) -> bytes:
         """One request to the peer `maddr` names (its /p2p/ id; our DHT already knows how to reach it)."""
-        if self._client_p2p is None:
-            self._client_p2p = await self.started.replicate_p2p()
         peer_id = PeerID.from_base58(str(parse_multiaddr(maddr).value_for_protocol("p2p")))
         return await unary.ask_unary(
-            self._client_p2p, peer_id, protocol, request, timeout=timeout, max_reply=max_reply
+            await self.client_p2p(), peer_id, protocol, request, timeout=timeout, max_reply=max_reply
         )
+
+    async def client_p2p(self) -> Any:
+        """Our p2pd, for streams we open (replicated once, on first use)."""
+        if self._client_p2p is None:
+            self._client_p2p = await self.started.replicate_p2p()
+        return self._client_p2p
 
     # ---- records ----------------------------------------------------------------------------------
     def run_key(self, name: str) -> str:

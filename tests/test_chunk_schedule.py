@@ -118,13 +118,23 @@ def test_a_book_survives_a_coordinator_restart() -> None:
 # ---- the trainer's cursor -----------------------------------------------------------------------------------
 
 
-def test_windows_walk_a_chunk_each_token_a_target_once_then_the_next_chunk() -> None:
-    cur = ChunkCursor(seq_len=10)
+def test_windows_cover_a_chunk_each_token_a_target_once_in_a_seeded_order_then_the_next_chunk() -> None:
+    cur = ChunkCursor(seq_len=10, seed="d")
     cur.adopt([Grant(0, 3, 300, 35, 0), Grant(0, 7, 700, 100, 0)])
-    assert cur.windows(2) == [300, 310]
-    assert cur.windows(2) == [320, 700]  # 330..335 cannot fill a window: the chunk ends there
+    first = cur.windows(2)
+    second = cur.windows(2)
+    assert first is not None and second is not None
+    assert sorted(first + second[:1]) == [300, 310, 320]  # 330..335 cannot fill a window: the chunk ends
+    assert 700 <= second[1] < 790 and (second[1] - 700) % 10 == 0
     assert cur.drain() == [Segment(0, 3, 0, 35), Segment(0, 7, 0, 10)]
     assert cur.held() == [(0, 3, 35), (0, 7, 10)]
+    again = ChunkCursor(seq_len=10, seed="d")  # the order is the chunk's: the same on every machine
+    again.adopt([Grant(0, 3, 300, 35, 0), Grant(0, 7, 700, 100, 0)])
+    assert again.windows(4) == first + second
+    other = ChunkCursor(seq_len=10, seed="d")
+    other.adopt([Grant(0, 7, 700, 100, 0)])
+    taken = [w for _ in range(9) for w in other.windows(1) or []]
+    assert sorted(taken) == list(range(700, 790, 10)) and taken != sorted(taken)
 
 
 def test_no_window_when_the_leases_run_out_and_nothing_is_taken() -> None:
@@ -132,6 +142,15 @@ def test_no_window_when_the_leases_run_out_and_nothing_is_taken() -> None:
     cur.adopt([Grant(0, 0, 0, 25, 0)])
     assert cur.windows(3) is None
     assert cur.held() == [(0, 0, 0)]
+
+
+def test_windows_stop_at_a_lease_whose_tokens_are_not_here_yet() -> None:
+    cur = ChunkCursor(seq_len=10)
+    cur.adopt([Grant(0, 0, 0, 21, 0), Grant(0, 1, 100, 100, 0)])
+    cur.ready = lambda grant: grant.chunk == 0
+    assert cur.windows(3) is None and cur.held() == [(0, 0, 0), (0, 1, 0)]
+    cur.ready = lambda grant: True
+    assert cur.windows(3) is not None
 
 
 def test_adopt_keeps_the_further_offset_and_drops_what_is_no_longer_ours() -> None:
@@ -144,10 +163,10 @@ def test_adopt_keeps_the_further_offset_and_drops_what_is_no_longer_ours() -> No
 
 
 def test_a_cursor_resumes_from_its_checkpoint() -> None:
-    cur = ChunkCursor(seq_len=10)
+    cur = ChunkCursor(seq_len=10, seed="d")
     cur.adopt([Grant(1, 4, 400, 100, 20)])
-    again = ChunkCursor(seq_len=10)
+    again = ChunkCursor(seq_len=10, seed="d")
     again.load_state_dict(cur.state_dict())
-    assert again.windows(1) == [420]
+    assert again.windows(1) == cur.windows(1)  # the third window of the chunk's order
     with pytest.raises(ValueError, match="not valid"):
         again.load_state_dict({"leases": [[0, 1, 0, 10, 11]]})

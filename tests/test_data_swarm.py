@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.data.local import VERIFIED_FILE, open_dataset
+from dilocod.data.local import VERIFIED_FILE, missing_train_shards, open_dataset
 from dilocod.data.prepare import prepare
 from dilocod.data.shards import INDEX_FILE, load_index
 from dilocod.data.tokenizer import train_bpe
@@ -41,7 +41,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_bare_joiner_fetches_the_runs_bpe_dataset_and_trains(tmp_path: Path, dataset: Path) -> None:
     index = load_index(dataset)
-    s = Swarm(tmp_path, overrides=(*FAST, f"data.source={dataset}"))
+    # Chunks of about a shard: a joiner needs a few training shards, not all of them.
+    s = Swarm(tmp_path, overrides=(*FAST, f"data.source={dataset}", "data.chunk_tokens=20000"))
     try:
         s.start_bootstrap()
         assert s.bootstrap is not None
@@ -57,16 +58,19 @@ def test_a_bare_joiner_fetches_the_runs_bpe_dataset_and_trains(tmp_path: Path, d
             assert proc.run_dir is not None
             fetched = status["data_fetch"]
             assert fetched is not None and fetched["done"], fetched
-            assert (
-                fetched["shards_total"] == len(index.files())
-                and fetched["bytes_done"] == fetched["bytes_total"]
-            )
+            # Up front: the index, the tokenizer and the eval split; then the training shards of its chunks.
+            assert fetched["shards_total"] == len(index.eval.shards), fetched
+            local, total = fetched["train_shards_local"], fetched["train_shards_total"]
+            assert 1 <= local < total == len(index.train.shards), fetched
             copy = proc.run_dir / "data"
-            assert open_dataset(copy, index.hash).hash == index.hash  # every file verified against the index
+            assert open_dataset(copy, index.hash, partial=True).hash == index.hash  # what it holds, verified
+            assert len(index.train.shards) - len(missing_train_shards(copy, index)) == local
+            assert status["data_schedule"]["unscheduled_batches"] == 0, status["data_schedule"]
             assert status["eval_bits_per_byte"] is not None and status["eval_bits_per_byte"] > 0
         hashes = round_hashes(statuses)
         assert all(len(found) == 1 for found in hashes.values()), hashes
-        assert s.bootstrap.status()["data_served"]["bytes_served"] >= 2 * sum(f.bytes for f in index.files())
+        up_front = sum(f.bytes for f in index.eval.shards)
+        assert s.bootstrap.status()["data_served"]["bytes_served"] >= 2 * up_front
         assert "fetched the run's dataset" in bare.output()
     finally:
         s.close()
@@ -77,7 +81,7 @@ def altered_copy(dataset: Path, where: Path) -> str:
     marker says so): a server that serves bytes that do not match the index. Returns the shard's name."""
     shutil.copytree(dataset, where)
     index = load_index(where)
-    victim = index.train.shards[-1].file
+    victim = index.eval.shards[-1].file  # a joiner fetches every eval shard: it meets this one
     path = where / victim
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -124,7 +128,7 @@ def test_a_server_of_an_altered_shard_is_banned_and_the_shard_comes_from_another
         except AssertionError as e:
             raise AssertionError(f"{e}\n{s.log_tails()}\n--- liar ---\n{liar.output()[-3000:]}") from None
         assert liar_id in status["banned"], status["banned"]
-        assert open_dataset(peer.run_dir / "data", index.hash).hash == index.hash
+        assert open_dataset(peer.run_dir / "data", index.hash, partial=True).hash == index.hash
         assert (peer.run_dir / "data" / victim).read_bytes() == (dataset / victim).read_bytes()
         assert f"banning {liar_id}" in peer.output()
         assert (peer.run_dir / "data" / INDEX_FILE).exists()

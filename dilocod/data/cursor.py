@@ -3,17 +3,22 @@ trained, and the parts it trained that no round ticket has named yet.
 
 The trainer thread takes training windows from it (`windows`); the event loop keeps it in step with the
 run's coordinator (`held` to report, `adopt` the answer; dilocod/processes/chunks.py) and drains the parts
-trained into the token ledger, which puts them in round tickets (`drain`). A window is `seq_len + 1` tokens
-of one chunk and the next window starts `seq_len` tokens later, so every token of a chunk is a target once;
-the last few tokens of a chunk that cannot fill a window are skipped (the chunk counts as done).
+trained into the token ledger, which puts them in round tickets (`drain`). A chunk's windows are `seq_len + 1`
+tokens starting every `seq_len` tokens, so every token of a chunk is a target once, trained in a seeded order
+(`_order`); an offset counts windows done × seq_len in that order, and a part [lo, hi) is the windows
+lo/seq_len … hi/seq_len of it. The last tokens of a chunk that cannot fill a window are skipped (the chunk
+counts as done).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from dilocod.data.schedule import Grant
 
@@ -29,10 +34,11 @@ class Segment:
 
 
 class ChunkCursor:
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, seed: str = "") -> None:
         if seq_len < 1:
             raise ValueError("seq_len must be >= 1")
-        self.seq_len = seq_len
+        self.seq_len, self.seed = seq_len, seed
+        self._orders: dict[tuple[int, int, int], np.ndarray] = {}
         self._leases: list[Grant] = []  # in training order; offsets are ours
         self._trained: list[Segment] = []  # since the last drain
         self._lock = threading.Lock()
@@ -40,6 +46,9 @@ class ChunkCursor:
         # Called on the trainer thread when a chunk is finished or the leases run dry: the sync should
         # report at once (and fetch the lease after next).
         self.on_finished: Callable[[], None] = lambda: None
+        # Whether a lease's tokens are on this machine (a joiner fetches the shards of its chunks as it goes):
+        # windows stop at the first lease that is not.
+        self.ready: Callable[[Grant], bool] = lambda grant: True
 
     # ---- the trainer thread ----------------------------------------------------------------------------
     def windows(self, n: int) -> list[int] | None:
@@ -47,12 +56,13 @@ class ChunkCursor:
         leases held do not have `n` windows left."""
         with self._lock:
             plan: list[tuple[int, int]] = []
-            leases = list(self._leases)
-            for i, lease in enumerate(leases):
-                offset = lease.offset
-                while len(plan) < n and lease.size - offset >= self.seq_len + 1:
-                    plan.append((i, lease.lo + offset))
-                    offset += self.seq_len
+            for i, lease in enumerate(self._leases):
+                if not self.ready(lease):
+                    break
+                order, done = self._order(lease), self._done(lease)
+                while len(plan) < n and done < len(order):
+                    plan.append((i, lease.lo + int(order[done]) * self.seq_len))
+                    done += 1
                 if len(plan) == n:
                     break
             finished = len(plan) == n and self._advance(plan)
@@ -63,15 +73,31 @@ class ChunkCursor:
         self.windows_taken += n
         return [start for _, start in plan]
 
+    def _order(self, lease: Grant) -> np.ndarray:
+        """The order in which the chunk's windows are trained: seeded by the chunk, the same on every machine,
+        so that a batch mixes the chunk's text (its documents lie in the order they were prepared) and an
+        offset means the same windows to everyone (offset = windows done × seq_len)."""
+        key = (lease.epoch, lease.chunk, lease.size)
+        if key not in self._orders:
+            if len(self._orders) > 8:
+                self._orders.pop(next(iter(self._orders)))
+            windows = max(0, (lease.size - 1) // self.seq_len)
+            seed = hashlib.sha256(f"windows:{self.seed}:{lease.epoch}:{lease.chunk}".encode()).digest()
+            self._orders[key] = np.random.default_rng(int.from_bytes(seed[:8], "big")).permutation(windows)
+        return self._orders[key]
+
+    def _done(self, lease: Grant) -> int:
+        return len(self._order(lease)) if lease.offset >= lease.size else lease.offset // self.seq_len
+
     def _advance(self, plan: list[tuple[int, int]]) -> bool:
         """Move the leases' offsets past `plan`; True when a lease was trained to its end."""
         last, finished = plan[-1][0], False
         for i in range(last + 1):
             lease = self._leases[i]
-            starts = [start for j, start in plan if j == i]
-            end = starts[-1] - lease.lo + self.seq_len if starts else lease.offset
-            # A chunk left behind (we moved on to the next) is trained to its end: its tail is too short.
-            if i < last or lease.size - end < self.seq_len + 1:
+            done = self._done(lease) + sum(1 for j, _ in plan if j == i)
+            end = done * self.seq_len
+            # A chunk left behind (we moved on to the next) or out of windows is done: its tail is short.
+            if i < last or done >= len(self._order(lease)):
                 end = lease.size
             if end > lease.offset:
                 self._trained.append(Segment(lease.epoch, lease.chunk, lease.offset, end))

@@ -6,6 +6,8 @@
 - Every node checks the copy it trains on against the run's index hash (`data.dataset`), and every shard's
   sha256 against the index the first time it opens the copy (a marker records what was verified, so a
   restart does not hash gigabytes again; a file whose size or time changed is hashed again).
+- A joining peer's copy may be *partial*: the index, the tokenizer and the eval split, and of the training
+  split only the shards of the chunks it trains (fetched as it needs them, dilocod/processes/shardfetch.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from dilocod.data.builtin import builtin_documents
 from dilocod.data.corpus import Corpus
-from dilocod.data.errors import DataError
+from dilocod.data.errors import DataError, MissingFile
 from dilocod.data.prepare import prepare
 from dilocod.data.settings import DataConfig
 from dilocod.data.shards import (
@@ -99,47 +101,57 @@ def _prepared_once(where: Path, make: object) -> Path:
     return where
 
 
-def open_dataset(directory: Path, expected: str = "") -> DatasetIndex:
+def open_dataset(directory: Path, expected: str = "", *, partial: bool = False) -> DatasetIndex:
     """The index of the dataset in `directory`, checked to be `expected` (the run's index hash, when given)
-    and its files against the index; DataError naming the file and the hashes otherwise."""
+    and its files against the index; DataError naming the file and the hashes otherwise (MissingFile for a
+    file that is not there). With `partial`, shards of the training split may be missing."""
     index = load_index(directory)
     if expected and index.hash != expected:
         raise DataError(f"{directory / INDEX_FILE}: dataset {index.hash} is not the run's {expected}")
-    _verify_once(directory, index)
+    _verify_once(directory, index, partial)
     return index
 
 
-def _file_marks(directory: Path, index: DatasetIndex) -> dict[str, list[int]]:
+def missing_train_shards(directory: Path, index: DatasetIndex) -> list[int]:
+    """Numbers of the training split's shards not in `directory` (a partial copy's)."""
+    return [n for n, info in enumerate(index.train.shards) if not (directory / info.file).is_file()]
+
+
+def _file_marks(directory: Path, index: DatasetIndex, partial: bool) -> dict[str, list[int]]:
     marks = {}
+    optional = {info.file for info in index.train.shards} if partial else set()
     for name in [TOKENIZER_FILE, *(info.file for info in index.files())]:
         try:
             st = (directory / name).stat()
         except FileNotFoundError:
-            raise DataError(f"{directory / name}: missing (the dataset's index lists it)") from None
+            if name in optional:
+                continue
+            raise MissingFile(f"{directory / name}: missing (the dataset's index lists it)") from None
         marks[name] = [st.st_size, st.st_mtime_ns]
     return marks
 
 
-def _verify_once(directory: Path, index: DatasetIndex) -> None:
+def _verify_once(directory: Path, index: DatasetIndex, partial: bool = False) -> None:
     """Hash every file the first time; again only those whose size or time changed since."""
     marker = directory / VERIFIED_FILE
-    marks = _file_marks(directory, index)
+    marks = _file_marks(directory, index, partial)
     try:
         seen = json.loads(marker.read_text())
     except (OSError, ValueError):
         seen = {}
     if seen.get("index") == index.hash and seen.get("files") == marks:
         return
-    verify_dataset(directory, index)
+    verify_dataset(directory, index, only=set(marks))
     with contextlib.suppress(OSError):  # a read-only copy is verified at every start instead
         marker.write_text(json.dumps({"index": index.hash, "files": marks}))
 
 
-def open_corpus(cfg: DataConfig) -> Corpus:
+def open_corpus(cfg: DataConfig, *, partial: bool = False) -> Corpus:
     """The corpus of this machine's copy of the run's dataset (`data.path`, checked against `data.dataset`);
-    with no path set, the dataset `data.source` gives (tests, benchmarks, a node starting its run)."""
+    with no path set, the dataset `data.source` gives (tests, benchmarks, a node starting its run). With
+    `partial`, training shards may be missing (a joiner fetches them as its chunks need them)."""
     directory = Path(cfg.path).expanduser() if cfg.path else source_dataset(cfg)
-    index = open_dataset(directory, cfg.dataset)
+    index = open_dataset(directory, cfg.dataset, partial=partial)
     split = index.eval
     per_byte = split.tokens / split.text_bytes if split.text_bytes > 0 else 1.0
     return Corpus(
@@ -167,9 +179,12 @@ def find_local_copy(cfg: DataConfig, run_dir: Path | None, *, may_prepare: bool)
     the same Python has the run's builtin corpus without a download)."""
     if cfg.path:  # an empty or new directory is where the download goes; another dataset there is refused
         path = Path(cfg.path).expanduser()
-        return path if (path / INDEX_FILE).exists() and _holds(path, cfg.dataset, strict=True) else None
+        found = (path / INDEX_FILE).exists() and _holds(
+            path, cfg.dataset, strict=True, partial=not may_prepare
+        )
+        return path if found else None
     own = run_data_dir(cfg, run_dir)
-    if own is not None and _holds(own, cfg.dataset, strict=False):
+    if own is not None and _holds(own, cfg.dataset, strict=False, partial=not may_prepare):
         return own
     if may_prepare:
         directory = source_dataset(cfg)
@@ -192,15 +207,29 @@ def _cached_builtin(cfg: DataConfig) -> Path | None:
     return where if is_prepared(where) else None
 
 
-def _holds(directory: Path, expected: str, *, strict: bool) -> bool:
-    """Whether `directory` holds the dataset `expected`, verified. Strict: a directory that holds another
-    dataset, or a damaged one, is an error (the user pointed us there); else it is only not the one."""
+def _is_index_of(directory: Path, expected: str) -> bool:
+    """Whether `directory` holds the index of dataset `expected` (a download that stopped half way)."""
+    try:
+        return (
+            bool(expected) and hashlib.sha256((directory / INDEX_FILE).read_bytes()).hexdigest() == expected
+        )
+    except OSError:
+        return False
+
+
+def _holds(directory: Path, expected: str, *, strict: bool, partial: bool = False) -> bool:
+    """Whether `directory` holds the dataset `expected`, verified (with `partial`, its training shards may be
+    missing: a joiner fetches them as it needs them). Strict: a directory that holds another dataset, or a
+    damaged one, is an error (the user pointed us there); else it is only not the one. A copy of the run's
+    dataset that misses files is never an error: the download completes it."""
     if not is_prepared(directory):
-        if strict:
+        if strict and not _is_index_of(directory, expected):
             raise DataError(f"{directory}: no prepared dataset there (no {INDEX_FILE} and {TOKENIZER_FILE})")
         return False
     try:
-        open_dataset(directory, expected)
+        open_dataset(directory, expected, partial=partial)
+    except MissingFile:
+        return False
     except DataError:
         if strict:
             raise

@@ -38,7 +38,8 @@ class DataConfig:
     serve_bandwidth: float = (
         0.0  # Mbit/s this node serves dataset files to other peers with at most (0: no cap)
     )
-    # The coordinator's (bootstrap's): tokens per chunk of the run's chunk schedule (each trained once an epoch)
+    # The coordinator's (bootstrap's): tokens per chunk of the run's chunk schedule (each trained once an
+    # epoch); 0: no schedule (every peer samples random windows of its part of the split)
     chunk_tokens: int = 1 << 20
     # The coordinator's: seconds a chunk lease lives without its trainer's report, then the chunk goes back
     lease_seconds: float = 300.0
@@ -62,8 +63,10 @@ class DataConfig:
             raise ValueError(
                 f"data.dataset must be a dataset's index hash (64 hex digits), got '{self.dataset}'"
             )
-        if self.chunk_tokens < 1:
-            raise ValueError(f"data.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.chunk_tokens < 0:
+            raise ValueError(
+                f"data.chunk_tokens must be >= 0 (0: no chunk schedule), got {self.chunk_tokens}"
+            )
         if not (math.isfinite(self.lease_seconds) and self.lease_seconds > 0):
             raise ValueError(f"data.lease_seconds must be > 0, got {self.lease_seconds}")
         if not (math.isfinite(self.serve_bandwidth) and self.serve_bandwidth >= 0):

@@ -360,8 +360,11 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
         raise DataError(f"{path}: sha256 {digest} does not match the index's {info.sha256}")
 
 
-def verify_dataset(directory: Path, index: DatasetIndex | None = None) -> DatasetIndex:
-    """Check tokenizer.json and every shard against the index (hashes read every byte)."""
+def verify_dataset(
+    directory: Path, index: DatasetIndex | None = None, *, only: set[str] | None = None
+) -> DatasetIndex:
+    """Check tokenizer.json and every shard (or those named in `only`) against the index (hashes read
+    every byte)."""
     directory = Path(directory)
     index = index if index is not None else load_index(directory)
     tokenizer = directory / TOKENIZER_FILE
@@ -372,7 +375,8 @@ def verify_dataset(directory: Path, index: DatasetIndex | None = None) -> Datase
     if digest != index.tokenizer_sha256:
         raise DataError(f"{tokenizer}: sha256 {digest} does not match the index's {index.tokenizer_sha256}")
     for info in index.files():
-        verify_shard(directory / info.file, info)
+        if only is None or info.file in only:
+            verify_shard(directory / info.file, info)
     return index
 
 

@@ -21,7 +21,7 @@ from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.runview import flag_manifests, read_run
-from dilocod.processes.chunks import ChunkService, start_service
+from dilocod.processes.chunks import ChunkService, serve_no_schedule, start_service
 from dilocod.processes.dataset import serve_dataset, served_status
 from dilocod.processes.helper import AuxReducer
 from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
@@ -147,6 +147,9 @@ class BootstrapDaemon:
         if cfg is None or not cfg.data.dataset or not cfg.data.path or self.args.initial_peers:
             return []
         assert self.node is not None
+        if cfg.data.chunk_tokens == 0:
+            await serve_no_schedule(self.node)
+            return []
         index = await asyncio.to_thread(open_dataset, Path(cfg.data.path), cfg.data.dataset)
         self.chunk_service = await start_service(
             self.node, index.train.tokens, cfg.data.dataset, cfg.data.chunk_tokens, cfg.data.lease_seconds,

@@ -42,6 +42,21 @@ ASK_TIMEOUT = 5.0
 SAVE_SECONDS = 10.0
 BOOK_FILE = "chunks.json"
 MAX_MESSAGE = 4096
+NO_SCHEDULE = "this run keeps no chunk schedule"
+
+
+class NoSchedule(Exception):
+    """The run's coordinator says the run has no chunk schedule (`data.chunk_tokens = 0`)."""
+
+
+async def serve_no_schedule(node: Node) -> None:
+    """A coordinator of a run without a schedule says so, so that trainers stop asking (and do not warn)."""
+
+    async def handle(peer: str, request: bytes) -> bytes:
+        return encode_chunk_reply({"error": NO_SCHEDULE})
+
+    await node.serve_unary(CHUNK_PROTOCOL, handle, max_request=MAX_MESSAGE)
+
 
 PROGRESS = ("epoch", "epoch_fraction", "tokens_trained", "chunks_trained", "chunks_total")
 
@@ -171,6 +186,8 @@ def remote_exchange(node: Node, coordinators: Sequence[str]) -> Exchange:
             except Exception as e:
                 errors.append(f"{maddr[-12:]}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
                 continue
+            if reply.get("error") == NO_SCHEDULE:
+                raise NoSchedule(NO_SCHEDULE)
             if reply.get("error"):
                 errors.append(f"{maddr[-12:]}: {reply['error']}")
                 continue
@@ -193,11 +210,20 @@ class ChunkSync:
         self.syncs = 0
         self.last_sync: float | None = None
         self.progress: dict[str, Any] | None = None  # the run's, as the coordinator last told us
+        self.on_synced: Callable[[], None] = lambda: None  # after each answer (new leases may need shards)
+        self.off = False  # the run keeps no schedule: we sample random windows and stop asking
 
     async def once(self, want: int = MAX_LEASES, *, quiet: bool = False) -> bool:
         """One report and request; False (and `error` says why) when no coordinator answered."""
         try:
             grants, progress = await self.exchange(self.cursor.held(), want)
+        except NoSchedule:
+            if not self.off:
+                log.info(
+                    "the run keeps no chunk schedule: training on random windows of our part of the data"
+                )
+            self.off = True
+            return False
         except Exception as e:
             if self.error is None and not quiet:
                 log.warning(
@@ -213,6 +239,7 @@ class ChunkSync:
         self.last_sync = time.time()
         self.progress = progress or self.progress
         self.cursor.adopt(grants)
+        self.on_synced()
         if self.syncs == 1:  # what we train first (after a restart: the leases still ours, where they stand)
             log.info(
                 "chunk leases: %s",
@@ -227,7 +254,7 @@ class ChunkSync:
         """Sync every SYNC_SECONDS or when woken, until `stopping`; then report once more, wanting nothing
         new (our leases stay ours for a restart within the lease)."""
         try:
-            while not stopping.is_set():
+            while not stopping.is_set() and not self.off:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), SYNC_SECONDS)
                 self.wake.clear()
@@ -235,8 +262,9 @@ class ChunkSync:
                     with contextlib.suppress(TimeoutError):  # no answer: ask again later, not every step
                         await asyncio.wait_for(stopping.wait(), SYNC_SECONDS)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.once(want=0, quiet=True), ASK_TIMEOUT)
+            if not self.off:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.once(want=0, quiet=True), ASK_TIMEOUT)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -247,4 +275,5 @@ class ChunkSync:
             "syncs": self.syncs,
             "last_sync": self.last_sync,
             "error": self.error,
+            "off": self.off,
         }

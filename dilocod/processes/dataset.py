@@ -26,7 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from dilocod.config import Config
 from dilocod.data.errors import DataError
 from dilocod.data.local import find_local_copy, open_dataset, run_data_dir
-from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, parse_index
+from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, ShardInfo, parse_index
 from dilocod.manifest.obtain import Joined
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
@@ -63,8 +63,12 @@ async def fetch_dataset(
     state: PeerState,
     metrics: Metrics,
     ban: Callable[[str, str], object],
+    *,
+    train: bool = True,
 ) -> Config:
-    """Download the run's dataset into `data.path` (or `<run dir>/data`) from `servers` (multiaddrs)."""
+    """Download the run's dataset into `data.path` (or `<run dir>/data`) from `servers` (multiaddrs).
+    Without `train`, only the index, the tokenizer and the eval split: a joiner fetches the training shards
+    its chunks need as it goes (dilocod/processes/shardfetch.py)."""
     dest = run_data_dir(cfg.data, run_dir)
     if dest is None:
         raise DataError(
@@ -76,12 +80,13 @@ async def fetch_dataset(
         peers = await dial_all(p2p, servers)
         if not peers:
             raise DataError(f"cannot fetch the run's dataset: none of {', '.join(servers)} answers")
-        fetcher = _Fetcher(p2p, peers, dest, state, metrics, ban)
-        await fetcher.run(cfg.data.dataset)
+        fetcher = Fetcher(p2p, peers, dest, state, metrics, ban)
+        await fetcher.run(cfg.data.dataset, train=train)
     finally:
         with contextlib.suppress(Exception):
             await p2p.shutdown()
-    await asyncio.to_thread(open_dataset, dest, cfg.data.dataset)  # every file against the index, once more
+    # Every file against the index, once more.
+    await asyncio.to_thread(functools.partial(open_dataset, dest, cfg.data.dataset, partial=not train))
     return with_path(cfg, dest)
 
 
@@ -95,7 +100,7 @@ async def dial_all(p2p: P2P, servers: Sequence[str]) -> list[PeerID]:
     return peers
 
 
-class _Fetcher:
+class Fetcher:
     """One download of a dataset: the index, the tokenizer, then the shards, with progress."""
 
     def __init__(
@@ -112,10 +117,11 @@ class _Fetcher:
         self.done_bytes = self.total_bytes = 0
         self._last_log = 0.0
 
-    async def run(self, index_hash: str) -> None:
+    async def run(self, index_hash: str, *, train: bool = True) -> None:
         index = await self._index(index_hash)
         await self._small(TOKENIZER_FILE, index.tokenizer_sha256)
-        files = [*index.eval.shards, *index.train.shards]  # eval first: a peer evaluates from its first round
+        # Eval first: a peer evaluates from its first round.
+        files = [*index.eval.shards, *(index.train.shards if train else ())]
         self.total_bytes = sum(f.bytes for f in files)
         self._progress(0, len(files))
         log.info(
@@ -153,6 +159,11 @@ class _Fetcher:
             except DataFetchError as e:
                 problems.append(str(e))
         raise DataError(f"cannot fetch the run's {name}: {'; '.join(problems)}")
+
+    async def fetch_shard(self, info: ShardInfo) -> None:
+        """One shard (size and sha256 from the index), counted in the progress."""
+        await self._fetch(info.file, info.bytes, info.sha256, functools.partial(self._held, self.done_bytes))
+        self.done_bytes += info.bytes
 
     async def _fetch(
         self,
@@ -223,7 +234,10 @@ async def serve_dataset(
         return None
     directory = Path(cfg.data.path)
     try:
-        index = await asyncio.to_thread(open_dataset, directory, cfg.data.dataset)
+        # A joiner's partial copy serves the shards it holds.
+        index = await asyncio.to_thread(
+            functools.partial(open_dataset, directory, cfg.data.dataset, partial=True)
+        )
     except DataError as e:
         log.warning("not serving the dataset: %s", e)
         return None

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dilocod.config import Config
+from dilocod.data.errors import DataError
+from dilocod.data.local import missing_train_shards
+from dilocod.data.shards import load_index
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
@@ -29,12 +32,20 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
-from dilocod.processes.chunks import ChunkService, ChunkSync, local_exchange, remote_exchange, start_service
-from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.processes.chunks import (
+    ChunkService,
+    ChunkSync,
+    local_exchange,
+    remote_exchange,
+    serve_no_schedule,
+    start_service,
+)
+from dilocod.processes.dataset import Fetcher, fetch_dataset, local_dataset, serve_dataset, served_status
 from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
+from dilocod.processes.shardfetch import LazyShards, server_maddrs, shard_fetcher
 from dilocod.processes.training import TrainerThread
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
@@ -43,6 +54,7 @@ from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.trainer import LocalGroup
+from dilocod.trainer.data import PresentSampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
@@ -115,8 +127,10 @@ class PeerDaemon:
                 self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
             )
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
+        partial = self._partial_copy()
         resumed = await loop.run_in_executor(
-            self.pool, lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state)
+            self.pool,
+            lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial),
         )
         self.resumed = resumed
         self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
@@ -136,6 +150,7 @@ class PeerDaemon:
             init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
         await self._chunk_schedule(resumed, self.network)
+        await self._lazy_shards(resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
         self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
@@ -163,6 +178,7 @@ class PeerDaemon:
             self.state,
             self.metrics,
             self.bans.ban,
+            train=False,  # the training shards come as our chunks need them (`_lazy_shards`)
         )
         self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
         return cfg
@@ -171,6 +187,10 @@ class PeerDaemon:
         """Take our batches from the run's chunk schedule: as its coordinator when we started the run, else
         from the coordinator we were given. Leases come before the first step (or the reason none do)."""
         if not self.cfg.data.dataset:
+            return
+        if not self.args.initial_peers and self.cfg.data.chunk_tokens == 0:
+            if not network.client:
+                await serve_no_schedule(network.node)
             return
         if self.args.initial_peers:
             exchange = remote_exchange(network.node, self.args.initial_peers)
@@ -191,8 +211,59 @@ class PeerDaemon:
 
         resumed.cursor.on_finished = wake_sync
         await self.chunks.once()
+        if self.chunks.off:
+            return
         resumed.trainer.cursor = resumed.cursor
         self._tasks.append(asyncio.create_task(self.chunks.keep_in_step(self.stopping)))
+
+    def _partial_copy(self) -> bool:
+        """Whether our copy of the run's dataset lacks training shards (a joiner's: fetched as needed)."""
+        if not self.cfg.data.dataset or not self.cfg.data.path:
+            return False
+        directory = Path(self.cfg.data.path)
+        return bool(missing_train_shards(directory, load_index(directory)))
+
+    async def _lazy_shards(self, resumed: Resumed, network: Network) -> None:
+        """With a partial copy: the shards of our first chunk now, the rest in the background as the chunk
+        schedule leases them (dilocod/processes/shardfetch.py); every shard first when it leased us none."""
+        if not self._partial_copy():
+            return
+        directory = Path(self.cfg.data.path)
+        lazy = LazyShards(directory, await asyncio.to_thread(load_index, directory), self.state)
+        p2p = await network.node.client_p2p()
+
+        async def servers() -> list[str]:
+            records = await read_run(network.node)
+            return server_maddrs(records, self.state.peer_id, self.args.initial_peers)
+
+        async def fetcher() -> Fetcher | None:
+            return await shard_fetcher(p2p, directory, servers, self.state, self.metrics, self.bans.ban)
+
+        leases = resumed.cursor.leases()
+        first = (
+            lazy.needed(leases[:1])
+            if leases
+            else [n for n in range(len(lazy.shards)) if n not in lazy.present]
+        )
+        if first:
+            self.state.phase = "fetching data"
+            source = await fetcher()
+            if source is None:
+                raise DataError(
+                    "cannot fetch the training shards of our first chunk: no peer of the run answers"
+                )
+            await lazy.fetch(first, source)
+        resumed.cursor.ready = lazy.ready
+        trainer = resumed.trainer
+        trainer.sampler = PresentSampler(
+            trainer.train_source, lazy.present_ranges, seed=self.cfg.run.seed, peer_key=trainer.peer_key,
+            batch_size=self.cfg.trainer.batch_size, seq_len=self.cfg.trainer.seq_len,
+        )  # fmt: skip
+        if self.chunks is not None:
+            self.chunks.on_synced = lazy.wake.set
+        self._tasks.append(
+            asyncio.create_task(lazy.keep_fetched(resumed.cursor.leases, fetcher, self.stopping))
+        )
 
     def _client_host(self) -> str:
         return "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out

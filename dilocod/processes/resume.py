@@ -20,6 +20,7 @@ import torch
 from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
 from dilocod.config import Config
 from dilocod.data.cursor import ChunkCursor
+from dilocod.data.local import open_corpus
 from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import split_fragments
 from dilocod.export.errors import ExportError
@@ -43,19 +44,29 @@ class Resumed:
 
 
 def build_trainer(
-    cfg: Config, peer_key: str, checkpoint: dict[str, Any] | None, run_dir: Path, state: PeerState
+    cfg: Config,
+    peer_key: str,
+    checkpoint: dict[str, Any] | None,
+    run_dir: Path,
+    state: PeerState,
+    *,
+    partial: bool = False,
 ) -> Resumed:
     """Runs in the trainer thread: torch work stays off the event loop."""
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
-    trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key)
+    # A joiner's copy may hold only some training shards: it fetches those of its chunks as it goes.
+    corpus = open_corpus(cfg.data, partial=True) if partial else None
+    trainer = InnerTrainer(
+        cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key, corpus=corpus
+    )
     if checkpoint is None and cfg.model.init:
         _start_from_init(cfg, trainer)
     outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
     if trainer.device.type == "cuda":
         outer.pin_memory()
     tokens = TokenLedger(fragments=_fragments(cfg, outer))
-    cursor = ChunkCursor(cfg.trainer.seq_len)
+    cursor = ChunkCursor(cfg.trainer.seq_len, seed=cfg.data.dataset)
     if checkpoint is not None:
         try:
             _restore(cfg, run_dir, checkpoint, trainer, outer, tokens, state)

@@ -9,6 +9,8 @@ batches without coordination, and the eval windows are the same on every peer.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -123,6 +125,35 @@ class ShardSampler:
         high = len(self.tokens) - self.seq_len  # exclusive; keeps the +1 target inside
         starts = torch.randint(0, high, (self.batch_size,), generator=gen)
         return _windows(self.tokens, starts, self.seq_len)
+
+
+class Sampler(Protocol):
+    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 [batch_size, seq_len], the batch at `position` of this peer's stream."""
+        ...
+
+
+class PresentSampler:
+    """Random windows from the parts of the train stream this machine holds (`ranges()`: token ranges
+    [lo, hi)), for a joiner whose copy is partial when the chunk schedule gives it no window. Batch `position`
+    is a pure function of (seed, peer, position, the ranges held)."""
+
+    def __init__(
+        self, tokens: TokenSource, ranges: Callable[[], list[tuple[int, int]]], *, seed: int, peer_key: str,
+        batch_size: int, seq_len: int,
+    ) -> None:  # fmt: skip
+        self.tokens, self.ranges = tokens, ranges
+        self.seed, self.peer_key, self.batch_size, self.seq_len = seed, peer_key, batch_size, seq_len
+
+    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spans = [(lo, hi) for lo, hi in self.ranges() if hi - lo > self.seq_len]
+        if not spans:
+            raise DataError("no training shard of the run's dataset is on this machine yet")
+        sizes = torch.tensor([hi - lo - self.seq_len for lo, hi in spans], dtype=torch.float64)
+        gen = torch.Generator().manual_seed(_stable_int("present", self.seed, self.peer_key, position))
+        picks = torch.multinomial(sizes, self.batch_size, replacement=True, generator=gen).tolist()
+        starts = [spans[i][0] + int(torch.randint(0, int(sizes[i]), (1,), generator=gen)) for i in picks]
+        return batch_at(self.tokens, starts, self.seq_len)
 
 
 def eval_batches(

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dilocod.data.corpus import as_source
+from dilocod.data.corpus import TokenSource, as_source
 from dilocod.data.cursor import ChunkCursor
 
 from . import flops
-from .data import Corpus, DataConfig, ShardSampler, batch_at, eval_batches, load_corpus
+from .data import Corpus, DataConfig, Sampler, ShardSampler, batch_at, eval_batches, load_corpus
 from .model import ModelConfig, Transformer, build_model, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
 from .settings import TrainerConfig, checkpointing_enabled, cpu_threads, lr_at, resolve_devices
@@ -111,7 +111,7 @@ class InnerTrainer:
                 f"(max_seq_len of model.preset {model_cfg.preset!r}), got {cfg.seq_len}"
             )
         self.corpus = corpus if corpus is not None else load_corpus(data_cfg)
-        self.sampler = ShardSampler(
+        self.sampler: Sampler = ShardSampler(
             self.corpus.train,
             seed=seed,
             peer_key=peer_key,
@@ -248,6 +248,10 @@ class InnerTrainer:
             dist.all_reduce(loss)
             loss = loss / self.world_size
         return loss
+
+    @property
+    def train_source(self) -> TokenSource:
+        return self._train_source
 
     @property
     def train_tokens(self) -> int:

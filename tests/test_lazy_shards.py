@@ -1,0 +1,73 @@
+"""A joiner's partial copy (dilocod/processes/shardfetch.py): which training shards a chunk needs, which
+leases are ready, and random windows drawn only from the shards it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dilocod.data.errors import DataError
+from dilocod.data.local import missing_train_shards, open_dataset
+from dilocod.data.prepare import prepare
+from dilocod.data.schedule import Grant
+from dilocod.data.shards import TokenStream, load_index
+from dilocod.observability.peerstate import PeerState
+from dilocod.processes.shardfetch import LazyShards, server_maddrs
+from dilocod.trainer.data import PresentSampler
+
+
+@pytest.fixture
+def partial(tmp_path: Path) -> Path:
+    """A prepared dataset of several training shards, two of which are then missing."""
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(12):
+        (text / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    out = tmp_path / "ds"
+    prepare([text], "byte", out, eval_fraction=0.2, shard_tokens=4096, progress=False)
+    index = load_index(out)
+    assert len(index.train.shards) >= 4
+    for info in index.train.shards[1:3]:
+        (out / info.file).unlink()
+    return out
+
+
+def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial: Path) -> None:
+    index = open_dataset(partial, partial=True)
+    with pytest.raises(DataError, match="missing"):
+        open_dataset(partial)  # a full open still wants every file
+    assert missing_train_shards(partial, index) == [1, 2]
+    lazy = LazyShards(partial, index, PeerState())
+    assert not lazy.complete and lazy.present == set(range(len(index.train.shards))) - {1, 2}
+    assert list(lazy.shards_of(0, 4096)) == [0] and list(lazy.shards_of(4000, 4200)) == [0, 1]
+    first, second = Grant(0, 0, 0, 4096, 0), Grant(0, 1, 4096, 8192, 0)
+    assert lazy.ready(first) and not lazy.ready(second)
+    assert lazy.needed([second, first]) == [1, 2]
+    assert lazy.present_ranges()[0] == (0, 4096) and (4096, 8192) not in lazy.present_ranges()
+
+
+def test_random_windows_come_only_from_the_shards_held(partial: Path) -> None:
+    index = open_dataset(partial, partial=True)
+    lazy = LazyShards(partial, index, PeerState())
+    stream = TokenStream(partial, index, "train")
+    sampler = PresentSampler(stream, lazy.present_ranges, seed=1, peer_key="p", batch_size=16, seq_len=32)
+    x, y = sampler.batch(0)  # would raise on a missing shard
+    assert x.shape == (16, 32) and bool((x[:, 1:] == y[:, :-1]).all())
+    assert bool((sampler.batch(0)[0] == x).all())  # a pure function of the position
+    empty = PresentSampler(stream, lambda: [], seed=1, peer_key="p", batch_size=2, seq_len=32)
+    with pytest.raises(DataError, match="no training shard"):
+        empty.batch(0)
+
+
+def test_shards_are_asked_of_public_peers_first_then_of_the_peers_given() -> None:
+    records = [
+        {"peer_id": "A", "reachability": "public", "maddrs": ["/ip4/10.0.0.1/tcp/1"]},
+        {"peer_id": "B", "reachability": "private", "maddrs": ["/ip4/10.0.0.2/tcp/1"]},
+        {"peer_id": "me", "reachability": "public", "maddrs": ["/ip4/10.0.0.3/tcp/1"]},
+        {"peer_id": "C", "reachability": "public", "maddrs": ["/ip4/1.2.3.4/tcp/5/p2p-circuit", "/ip4/10.0.0.4/tcp/1/p2p/C"]},
+    ]  # fmt: skip
+    boot = "/ip4/10.0.0.9/tcp/1/p2p/BOOT"
+    assert server_maddrs(records, "me", [boot]) == [
+        "/ip4/10.0.0.1/tcp/1/p2p/A", "/ip4/10.0.0.4/tcp/1/p2p/C", boot,
+    ]  # fmt: skip
