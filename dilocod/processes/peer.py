@@ -31,6 +31,7 @@ from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
 from dilocod.processes.averaging import PeerAveraging
 from dilocod.processes.chunks import ChunkService, ChunkSync, local_exchange, remote_exchange, start_service
 from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
@@ -114,6 +115,7 @@ class PeerDaemon:
             self.cfg = await ensure_init(
                 self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
             )
+        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         resumed = await loop.run_in_executor(
             self.pool, lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state)
@@ -123,6 +125,7 @@ class PeerDaemon:
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
             self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
+            link=link,
         )  # fmt: skip
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
         if not self.network.client:  # a newcomer given our address takes the run's manifest from us
