@@ -22,6 +22,7 @@ from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
+from dilocod.statesync.checkpoint import CheckpointConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
 from dilocod.trainer.settings import TrainerConfig
@@ -212,6 +213,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
 
     def validate(self) -> None:

@@ -225,7 +225,9 @@ class PeerDaemon:
             lambda: checkpoint_payload(cfg, resumed, self.state),
             training.run,
             self.metrics,
+            every=cfg.checkpoint.every,
         )
+        training.guard = self.checkpoints.guard  # the write reads θ_global live: its changes wait for it
         self._publisher = StatusPublisher(
             network.node, self.state, self.metrics, self.history, cfg.net.status_interval, self.checkpoints
         )
@@ -339,7 +341,7 @@ class PeerDaemon:
             self.metrics,
         )
         try:
-            await writer.checkpoint()
+            await writer.checkpoint(force=True)  # the last one, whether due or not
             await writer.flush()
         except Exception as e:  # never lose the shutdown of the network to a full disk
             log.error("could not write the final checkpoint: %s", e)
