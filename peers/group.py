@@ -235,7 +235,12 @@ class GroupAverager:
             lambda: averager.step(gather=ticket, timeout=matchmaking, allow_retries=True, wait=False),
         )
         self._control = control
-        budget = matchmaking + allreduce + 5.0
+        outcome = await self._await_round(control, matchmaking + allreduce + 5.0, started)
+        self._learn(outcome)
+        return outcome
+
+    async def _await_round(self, control: StepControl, budget: float, started: float) -> RoundOutcome:
+        loop = asyncio.get_running_loop()
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
         except TimeoutError:
@@ -248,12 +253,24 @@ class GroupAverager:
             return _failed(
                 loop.time() - started, message, found_group="could not find a group" not in message
             )
-        outcome = self._outcome(result, loop.time() - started)
+        return self._outcome(result, loop.time() - started)
+
+    def _learn(self, outcome: RoundOutcome) -> None:
+        """What a round says about the deadlines: a completed one is measured; an all-reduce cut by its
+        deadline before any measurement halves the assumed link (else a node whose first guess was too
+        fast would time out every round, and a failed round is never measured)."""
         if outcome.averaged is not None:
             self.deadlines.observe(outcome.seconds - outcome.allreduce_seconds, outcome.allreduce_seconds)
             self._measured(max(outcome.bytes_sent, outcome.bytes_received), outcome.allreduce_seconds,
                            outcome.group_size)  # fmt: skip
-        return outcome
+            return
+        rule = self.options.link
+        errors = (outcome.error or "", *outcome.reducer_errors)
+        if outcome.found_group and any("timed out" in e for e in errors) and not self.link.measured:
+            self.link.timed_out()
+            if rule is not None and rule.allreduce:
+                group = max(outcome.group_size, self.options.target_group_size)
+                self.deadlines.set_allreduce_ceiling(allreduce_deadline(rule.size, group, self.link.rate))
 
     def _measured(self, nbytes: int, seconds: float, group: int | None = None) -> None:
         """A completed transfer: the link estimate learns from it, and an auto all-reduce ceiling follows."""

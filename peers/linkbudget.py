@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 DEFAULT_RATE = 10 * MBIT  # before any measurement and without net.bandwidth: a slow home uplink
+MIN_RATE = 0.5 * MBIT  # the slowest link a timed-out first round makes us assume
 SLACK = 3.0  # a deadline is this many times the estimate (hivemind's advice: ≈ 2× the all-reduce time)
 CPU_SECONDS_PER_ELEMENT = 1e-7  # codec + robust reduction + copies, per element, on a loaded CPU
 PREPARE_SECONDS_PER_ELEMENT = 1e-8  # Δ, its codec and the copy to the averager before a peer can meet
@@ -124,6 +125,11 @@ class LinkEstimate:
         """One completed transfer: `nbytes` in one direction over `seconds`."""
         if nbytes >= self.MIN_BYTES and seconds > 0:
             self._recent.append(nbytes / seconds)
+
+    def timed_out(self) -> None:
+        """An all-reduce was cut by its deadline before any measurement: assume half the rate (down to
+        MIN_RATE), so the next deadline is longer and a first round can complete to be measured."""
+        self.prior = max(MIN_RATE, self.prior / 2)
 
     @property
     def measured(self) -> bool:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dilocod.config import load_config
 from dilocod.processes.deadlines import auto_keys, model_size, resolve_deadlines
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
+from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.linkbudget import (
     DEFAULT_RATE,
     MBIT,
+    MIN_RATE,
     LinkEstimate,
+    LinkRule,
     ModelSize,
     allreduce_bytes,
     deadlines,
@@ -108,3 +112,41 @@ def test_explicit_values_win_and_zero_is_auto() -> None:
     assert avg.state_timeout == pytest.approx(246.4, abs=0.1) and resolved.round.max_seconds > 1800
     mixed, link = resolve_deadlines(load_config(None, ["averaging.allreduce_timeout=45"]))
     assert mixed.averaging.allreduce_timeout == 45.0 and link is not None and not link.allreduce
+
+
+def test_a_first_round_cut_by_its_deadline_halves_the_assumed_link() -> None:
+    link = LinkEstimate(prior_rate(None))
+    link.timed_out()
+    assert link.rate == DEFAULT_RATE / 2
+    for _ in range(10):
+        link.timed_out()
+    assert link.rate == MIN_RATE  # never assumes less than half a Mbit/s
+
+
+def _group(link: LinkRule | None) -> GroupAverager:
+    options = AveragingOptions(target_group_size=3, allreduce_timeout=60.0, link=link)
+    return GroupAverager(None, [torch.zeros(4)], options, None)  # type: ignore[arg-type]  # never started
+
+
+def _round(averaged: bool, error: str | None = None, reducer_errors: tuple[str, ...] = ()) -> RoundOutcome:
+    return RoundOutcome(
+        found_group=True, group_size=3, contributors=3, in_majority=averaged, complete=averaged,
+        averaged=[torch.zeros(4)] if averaged else None, seconds=30.0, error=error,
+        reducer_errors=reducer_errors, bytes_sent=64 << 20, bytes_received=64 << 20, allreduce_seconds=8.0,
+    )  # fmt: skip
+
+
+def test_the_averager_learns_its_link_from_rounds() -> None:
+    size = ModelSize(123_101_952, INT4)
+    group = _group(LinkRule(size, prior_rate(None), allreduce=True, state=True))
+    assert group.state_timeout(5.0) == pytest.approx(3 * size.state_bytes / DEFAULT_RATE + 10)
+    group._learn(_round(False, reducer_errors=("peer: all-reduce timed out after 60.0 s (deadline 60.0 s)",)))
+    assert group.link.rate == DEFAULT_RATE / 2  # before any measurement: the first guess was too fast
+    assert group.deadlines.bounds.allreduce_ceiling > 60.0
+    group._learn(_round(True))  # 64 MiB each way in 8 s: ~8.4 MB/s
+    assert group.link.measured and group.link.rate == pytest.approx((64 << 20) / 8.0)
+    group._learn(_round(False, error="timed out"))  # measured: a timeout is a dead peer, not the link
+    assert group.link.rate == pytest.approx((64 << 20) / 8.0)
+    fixed = _group(None)  # explicit deadlines: the averager keeps them
+    fixed._learn(_round(True))
+    assert fixed.deadlines.bounds.allreduce_ceiling == 60.0 and fixed.state_timeout(20.0) == 20.0

@@ -48,6 +48,7 @@ from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
 from peers.datashare import DataServer
+from peers.linkbudget import MBIT
 
 log = logging.getLogger("dilocod.daemon")
 
@@ -356,6 +357,9 @@ class PeerDaemon:
             status["in_allreduce"] = group.in_allreduce
             status["matchmaking_deadline"] = round(group.matchmaking_deadline, 3)
             status["allreduce_deadline"] = round(group.deadlines.allreduce, 3)
+            # the link the auto deadlines assume: measured from completed transfers, else the prior
+            status["link_mbit"] = round(group.link.rate / MBIT, 2)
+            status["link_measured"] = group.link.measured
         return status
 
     def _schedule_status(self) -> dict[str, Any] | None:
