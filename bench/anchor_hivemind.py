@@ -17,7 +17,7 @@ one side after the other, so they never compete for the cores:
   gives both sides the same one),
   `target_batch_size` = the sequences of one dilocod round (H × batch × peers, or `round.tokens`),
   `matchmaking_time` and `averaging_timeout` = the config's `averaging.min_matchmaking_time` and
-  `averaging.allreduce_timeout` unless given, and its `averaging.request_timeout`.
+  `averaging.allreduce_timeout` (resolved when auto) unless given, and its `averaging.request_timeout`.
 
 Per side: inner steps per peer, rounds (hivemind's epochs, dilocod's outer steps), rounds with all peers
 in the group, and the eval loss (the run's eval batches) of the model a peer would publish — hivemind: the
@@ -44,6 +44,7 @@ from bench.anchor.dilocod_side import run_dilocod  # noqa: E402
 from bench.anchor.hivemind_side import run_hivemind  # noqa: E402
 from bench.anchor.report import dilocod_at_steps, dilocod_summary, hivemind_summary, spread, table  # noqa: E402
 from bench.anchor.settings import HIVEMIND_OPTIMIZER, REPO, Race, identities, round_samples  # noqa: E402
+from dilocod.processes.deadlines import resolve_deadlines  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,7 +85,7 @@ def race_against_anchor(args: argparse.Namespace, race: Race, root: Path) -> dic
         eval_at = eval_at or result["dilocod"]["equal_tokens_steps"]
     if args.only != "dilocod":
         matchmaking = args.matchmaking_time or cfg.averaging.min_matchmaking_time
-        timeout = args.averaging_timeout or cfg.averaging.allreduce_timeout
+        timeout = args.averaging_timeout or resolve_deadlines(cfg)[0].averaging.allreduce_timeout
         results = run_hivemind(
             race,
             keys,

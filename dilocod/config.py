@@ -8,6 +8,7 @@ first problem as one line that names the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -21,6 +22,7 @@ from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.codecs import CODEC_NAMES, Codec, make_codec
 from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
+from dilocod.statesync.checkpoint import CheckpointConfig
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
 from dilocod.trainer.settings import TrainerConfig
@@ -73,10 +75,16 @@ class AveragingConfig:
     group_size: int = 8
     min_group_size: int = 2  # smallest group worth forming, in trainers (auxiliary reducers do not count)
     min_matchmaking_time: float = 5.0  # how long a group's leader waits for more peers to join
-    matchmaking_timeout: float = 15.0  # give up looking for a group after this long
-    allreduce_timeout: float = 60.0  # give up a started all-reduce after this long
+    # give up looking for a group after this long; 0 = auto: from the model's size and the group
+    # (peers/linkbudget.py), at least 15 s
+    matchmaking_timeout: float = 0.0
+    # give up a started all-reduce after this long; 0 = auto: from |Δ| (parameters × the codec's bytes), the
+    # group and this node's measured bandwidth, at least 60 s (peers/linkbudget.py)
+    allreduce_timeout: float = 0.0
     request_timeout: float = 3.0  # one matchmaking request; keep it below min_matchmaking_time
-    state_timeout: float = 60.0  # one state download (re-sync) attempt
+    # one state download (re-sync) attempt; 0 = auto: from the state's size and this node's measured
+    # bandwidth, at least 60 s (peers/linkbudget.py)
+    state_timeout: float = 0.0
     # mean (undefended) | trimmed_mean | median | centered_clip: how a part's contributions are combined
     reducer: str = "centered_clip"
     trim_fraction: float = 0.2  # trimmed_mean: share cut from each side
@@ -115,19 +123,22 @@ class AveragingConfig:
                 "averaging.group_size must be >= averaging.min_group_size "
                 f"({self.group_size} < {self.min_group_size})"
             )
-        for name in ("min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout", "request_timeout"):
+        for name in ("min_matchmaking_time", "request_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"averaging.{name} must be > 0, got {getattr(self, name)}")
-        if self.matchmaking_timeout <= self.min_matchmaking_time:
+        for name in ("matchmaking_timeout", "allreduce_timeout", "state_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(
+                    f"averaging.{name} must be >= 0 seconds (0 = auto), got {getattr(self, name)}"
+                )
+        if 0 < self.matchmaking_timeout <= self.min_matchmaking_time:
             raise ValueError(
                 "averaging.matchmaking_timeout must be greater than averaging.min_matchmaking_time "
                 f"({self.matchmaking_timeout} <= {self.min_matchmaking_time})"
             )
-        if not self.state_timeout > 0:
-            raise ValueError(f"averaging.state_timeout must be > 0, got {self.state_timeout}")
         if not self.deadline_factor >= 1:
             raise ValueError(f"averaging.deadline_factor must be >= 1, got {self.deadline_factor}")
-        if not 0 < self.min_allreduce_timeout <= self.allreduce_timeout:
+        if not self.min_allreduce_timeout > 0 or 0 < self.allreduce_timeout < self.min_allreduce_timeout:
             raise ValueError(
                 "averaging.min_allreduce_timeout must be > 0 and <= averaging.allreduce_timeout "
                 f"({self.min_allreduce_timeout} vs {self.allreduce_timeout})"
@@ -178,6 +189,7 @@ class NetConfig:
     status_interval: float = 5.0  # seconds between this peer's status records in the DHT
     # Download bandwidth in Mbit/s. Reducers get shares of the parts in proportion (hivemind's load
     # balancing); unset = the mean of the group's stated values, or equal shares when nobody states one.
+    # Also the link the auto deadlines assume until this node has measured its own (unset: 10 Mbit/s).
     bandwidth: float | None = None
 
     def validate(self) -> None:
@@ -201,6 +213,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
 
     def validate(self) -> None:

@@ -16,7 +16,7 @@ deadline up to the ceiling. Pure bookkeeping, no I/O.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class AdaptiveDeadlines:
         self.bounds = bounds
         self._matchmaking: deque[float] = deque(maxlen=bounds.window)
         self._allreduce: deque[float] = deque(maxlen=bounds.window)
+
+    def set_allreduce_ceiling(self, ceiling: float) -> None:
+        """A new ceiling for the all-reduce (an auto deadline that follows the measured link)."""
+        b = self.bounds
+        self.bounds = replace(b, allreduce_ceiling=ceiling, allreduce_floor=min(b.allreduce_floor, ceiling))
 
     def observe(self, matchmaking_seconds: float, allreduce_seconds: float) -> None:
         """Record one successful round's two phases."""

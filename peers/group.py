@@ -15,6 +15,7 @@ from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.errors import PeersError
 from peers.forking import freeze_before_fork
 from peers.grouping import chunk_timeout, matchmaking_window, round_group_bits
+from peers.linkbudget import DEFAULT_RATE, LinkEstimate, LinkRule, allreduce_deadline, state_deadline
 from peers.node import Node, stop_child
 from peers.partreduce import PartCheck, PartReduce
 from peers.statedonors import StateProvider
@@ -45,6 +46,8 @@ class AveragingOptions:
     codec: PartCodec | None = field(default=None, compare=False)
     corrupt_reductions: bool = False  # adversary test mode: reduce dishonestly
     run_tag: str | None = None  # keys matchmaking (the run manifest's hash): other tags never meet
+    # Auto deadlines (peers/linkbudget.py): the model's size and which deadlines follow the measured link.
+    link: LinkRule | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class GroupAverager:
             )
         )
         self._allreduce_deadline = options.allreduce_timeout  # what the averager process uses now
+        self.link = LinkEstimate(options.link.prior if options.link is not None else DEFAULT_RATE)
         self._window = options.min_matchmaking_time  # the leader's matchmaking window for the group target
 
     @property
@@ -231,7 +235,12 @@ class GroupAverager:
             lambda: averager.step(gather=ticket, timeout=matchmaking, allow_retries=True, wait=False),
         )
         self._control = control
-        budget = matchmaking + allreduce + 5.0
+        outcome = await self._await_round(control, matchmaking + allreduce + 5.0, started)
+        self._learn(outcome)
+        return outcome
+
+    async def _await_round(self, control: StepControl, budget: float, started: float) -> RoundOutcome:
+        loop = asyncio.get_running_loop()
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
         except TimeoutError:
@@ -244,10 +253,36 @@ class GroupAverager:
             return _failed(
                 loop.time() - started, message, found_group="could not find a group" not in message
             )
-        outcome = self._outcome(result, loop.time() - started)
+        return self._outcome(result, loop.time() - started)
+
+    def _learn(self, outcome: RoundOutcome) -> None:
+        """What a round says about the deadlines: a completed one is measured; an all-reduce cut by its
+        deadline before any measurement halves the assumed link (else a node whose first guess was too
+        fast would time out every round, and a failed round is never measured)."""
         if outcome.averaged is not None:
             self.deadlines.observe(outcome.seconds - outcome.allreduce_seconds, outcome.allreduce_seconds)
-        return outcome
+            self._measured(max(outcome.bytes_sent, outcome.bytes_received), outcome.allreduce_seconds,
+                           outcome.group_size)  # fmt: skip
+            return
+        rule = self.options.link
+        errors = (outcome.error or "", *outcome.reducer_errors)
+        if outcome.found_group and any("timed out" in e for e in errors) and not self.link.measured:
+            self.link.timed_out()
+            if rule is not None and rule.allreduce:
+                group = max(outcome.group_size, self.options.target_group_size)
+                self.deadlines.set_allreduce_ceiling(allreduce_deadline(rule.size, group, self.link.rate))
+
+    def _measured(self, nbytes: int, seconds: float, group: int | None = None) -> None:
+        """A completed transfer: the link estimate learns from it, and an auto all-reduce ceiling follows."""
+        self.link.observe(nbytes, seconds)
+        rule = self.options.link
+        if rule is not None and rule.allreduce and group is not None and self.link.measured:
+            self.deadlines.set_allreduce_ceiling(allreduce_deadline(rule.size, group, self.link.rate))
+
+    def state_timeout(self, configured: float) -> float:
+        """One state download's deadline: `configured`, or with auto the rule at the measured rate."""
+        rule = self.options.link
+        return state_deadline(rule.size, self.link.rate) if rule is not None and rule.state else configured
 
     def _outcome(self, result: dict, seconds: float) -> RoundOutcome:
         in_majority = bool(result["in_majority"]) and not bool(result["banned"])
@@ -286,6 +321,7 @@ class GroupAverager:
     async def download_state(
         self, *, exclude: Sequence[str], min_step: int, max_elements: int, timeout: float
     ) -> DownloadedState | None:
+        started = asyncio.get_running_loop().time()
         future = self.averager.download_state(
             exclude=exclude, min_step=min_step, max_elements=max_elements, timeout=timeout
         )
@@ -296,7 +332,9 @@ class GroupAverager:
         if result is None:
             return None
         donor, claimed, meta, tensors = result
-        return DownloadedState(donor=donor, claimed_step=claimed, meta=meta, tensors=list(tensors))
+        state = DownloadedState(donor=donor, claimed_step=claimed, meta=meta, tensors=list(tensors))
+        self._measured(self.payload_bytes(state), asyncio.get_running_loop().time() - started)
+        return state
 
     @staticmethod
     def payload_bytes(state: DownloadedState) -> int:

@@ -19,6 +19,7 @@ from dilocod.config import (
     load_config,
 )
 from dilocod.diloco.outer import OuterConfig
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig
 from dilocod.trainer.settings import TrainerConfig
@@ -90,7 +91,10 @@ def test_defaults_have_documented_values() -> None:
     for name in ("small", "124m", "1b"):
         big = load_config(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
         assert (big.outer.lr, big.outer.momentum, big.outer.nesterov) == (0.7, 0.9, True)
-    assert config.averaging.min_matchmaking_time < config.averaging.matchmaking_timeout
+    # deadlines default to auto (0): the rule's matchmaking deadline is always above the leader's window
+    assert (config.averaging.matchmaking_timeout, config.averaging.allreduce_timeout) == (0.0, 0.0)
+    resolved, _ = resolve_deadlines(config)
+    assert config.averaging.min_matchmaking_time < resolved.averaging.matchmaking_timeout
     assert config.net.port == 0 and config.net.announce == ()
 
 

@@ -59,13 +59,19 @@ def test_bad_bounds_are_refused() -> None:
     ("override", "message"),
     [
         ("averaging.deadline_factor=0.5", "deadline_factor must be >= 1"),
-        ("averaging.min_allreduce_timeout=120", "min_allreduce_timeout must be > 0 and <="),
+        (
+            "averaging.min_allreduce_timeout=120 averaging.allreduce_timeout=60",
+            "min_allreduce_timeout must be > 0 and <=",
+        ),
+        ("averaging.allreduce_timeout=-1", "allreduce_timeout must be >= 0 seconds"),
+        ("averaging.state_timeout=nan", "state_timeout must be >= 0 seconds"),
+        ("round.max_seconds=-5", "max_seconds must be >= 0 seconds"),
         ("averaging.adaptive_deadlines=maybe", "adaptive_deadlines"),
     ],
 )
 def test_config_rejects_bad_deadline_settings(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 @pytest.mark.parametrize(

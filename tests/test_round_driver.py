@@ -16,6 +16,7 @@ from dilocod.config import load_config
 from dilocod.diloco import OuterOptimizer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
@@ -159,9 +160,16 @@ def peer_record(step: int) -> dict[str, Any]:
 class Rig:
     def __init__(self, overlap: str = "none", script: list[Callable[[Contribution], RoundOutcome]] | None = None,
                  syncs: list[int] | None = None, sets: tuple[str, ...] = ()) -> None:  # fmt: skip
-        cfg = load_config(
-            None,
-            [f'outer.overlap="{overlap}"', "averaging.matchmaking_timeout=10", "trainer.eval_every=1", *sets],
+        cfg, _ = resolve_deadlines(  # as the daemon does: auto deadlines made concrete
+            load_config(
+                None,
+                [
+                    f'outer.overlap="{overlap}"',
+                    "averaging.matchmaking_timeout=10",
+                    "trainer.eval_every=1",
+                    *sets,
+                ],
+            )
         )
         self.state = PeerState(peer_id="me", run_id=cfg.run.id)
         self.outer = OuterOptimizer([torch.ones(4), torch.zeros(3)], cfg.outer)

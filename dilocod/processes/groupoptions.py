@@ -6,13 +6,20 @@ from __future__ import annotations
 from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.config import Config
 from peers.group import AveragingOptions
+from peers.linkbudget import LinkRule
 
 
 def averaging_options(
-    cfg: Config, mode: str, *, run_tag: str | None = None, corrupt_reductions: bool = False
+    cfg: Config,
+    mode: str,
+    *,
+    run_tag: str | None = None,
+    corrupt_reductions: bool = False,
+    link: LinkRule | None = None,
 ) -> AveragingOptions:
     """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
-    `run_tag` is the run manifest's hash (only nodes of the same manifest meet)."""
+    `run_tag` is the run manifest's hash (only nodes of the same manifest meet); `link`: the auto
+    deadlines that follow the measured link (`dilocod.processes.deadlines.resolve_deadlines`)."""
     avg = cfg.averaging
     aux = mode == "aux"
     return AveragingOptions(
@@ -42,4 +49,5 @@ def averaging_options(
         codec=avg.wire_codec(),
         corrupt_reductions=corrupt_reductions,
         run_tag=run_tag,
+        link=link,
     )

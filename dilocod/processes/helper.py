@@ -22,6 +22,7 @@ from dilocod import __version__
 from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
 from dilocod.observability.runview import HELPERS_KEY, NodeRunView
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.groupoptions import averaging_options
 from dilocod.rounds import clock, helperclock
 from dilocod.trainer.model import ModelConfig, Transformer
@@ -43,12 +44,13 @@ def parameter_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
 
 class AuxReducer:
     def __init__(self, node: Node, cfg: Config, manifest_hash: str) -> None:
+        cfg, link = resolve_deadlines(cfg)  # the run's auto deadlines, for this node's link
         self.node, self.cfg, self.manifest_hash = node, cfg, manifest_hash
         shapes = parameter_shapes(cfg.model)
         self.num_elements = sum(s.numel() for s in shapes)
         self.template = [torch.zeros(s) for s in shapes]
         # As the peers', but taking no trainer's seat; only the run's manifest's trainers meet us.
-        options = averaging_options(cfg, "aux", run_tag=manifest_hash)
+        options = averaging_options(cfg, "aux", run_tag=manifest_hash, link=link)
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         # Streaming DiLoCo: each round averages one fragment, split exactly as the peers split it.
         self.fragments = (

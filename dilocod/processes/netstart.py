@@ -23,6 +23,7 @@ from dilocod.processes.groupoptions import averaging_options
 from dilocod.processes.runtime import install_stop_signals
 from peers.auth import ensure_identity
 from peers.group import GroupAverager
+from peers.linkbudget import LinkRule
 from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import Reachability, detect_reachability, free_tcp_port
 
@@ -59,6 +60,7 @@ async def start_network(
     *,
     run_tag: str | None = None,
     corrupt_reductions: bool = False,
+    link: LinkRule | None = None,
 ) -> Network:
     loop = asyncio.get_running_loop()
     net = cfg.net
@@ -93,7 +95,7 @@ async def start_network(
         await loop.run_in_executor(None, node.start)
     client = not (reach.public or via_relay)
     options = averaging_options(
-        cfg, "client" if client else "node", run_tag=run_tag, corrupt_reductions=corrupt_reductions
+        cfg, "client" if client else "node", run_tag=run_tag, corrupt_reductions=corrupt_reductions, link=link
     )
     group = GroupAverager(node, template, options, state_provider)
     # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be

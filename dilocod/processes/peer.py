@@ -41,6 +41,7 @@ from dilocod.processes.chunks import (
     start_service,
 )
 from dilocod.processes.dataset import Fetcher, fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
@@ -59,6 +60,7 @@ from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
 from peers.datashare import DataServer
+from peers.linkbudget import MBIT
 
 log = logging.getLogger("dilocod.daemon")
 
@@ -126,6 +128,7 @@ class PeerDaemon:
             self.cfg = await ensure_init(
                 self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
             )
+        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         partial = self._partial_copy()
         resumed = await loop.run_in_executor(
@@ -137,6 +140,7 @@ class PeerDaemon:
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
             self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
+            link=link,
         )  # fmt: skip
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
         if not self.network.client:  # a newcomer given our address takes the run's manifest from us
@@ -293,7 +297,9 @@ class PeerDaemon:
             lambda: checkpoint_payload(cfg, resumed, self.state),
             training.run,
             self.metrics,
+            every=cfg.checkpoint.every,
         )
+        training.guard = self.checkpoints.guard  # the write reads θ_global live: its changes wait for it
         self._publisher = StatusPublisher(
             network.node, self.state, self.metrics, self.history, cfg.net.status_interval, self.checkpoints
         )
@@ -407,7 +413,7 @@ class PeerDaemon:
             self.metrics,
         )
         try:
-            await writer.checkpoint()
+            await writer.checkpoint(force=True)  # the last one, whether due or not
             await writer.flush()
         except Exception as e:  # never lose the shutdown of the network to a full disk
             log.error("could not write the final checkpoint: %s", e)
@@ -422,6 +428,9 @@ class PeerDaemon:
             status["in_allreduce"] = group.in_allreduce
             status["matchmaking_deadline"] = round(group.matchmaking_deadline, 3)
             status["allreduce_deadline"] = round(group.deadlines.allreduce, 3)
+            # the link the auto deadlines assume: measured from completed transfers, else the prior
+            status["link_mbit"] = round(group.link.rate / MBIT, 2)
+            status["link_measured"] = group.link.measured
         return status
 
     def _schedule_status(self) -> dict[str, Any] | None:

@@ -2,9 +2,13 @@
 
 This is the round driver's `Publisher` port. Status records go out every `net.status_interval` seconds
 (the heartbeat, which also reads the run for the dashboard's history) and at once whenever the round
-driver asks (a new θ_global: the others' clocks should know). A checkpoint's tensors are copied in the
-trainer thread, then written to disk in the background while training goes on; a second checkpoint
-waits for the first, and the last one is awaited at shutdown.
+driver asks (a new θ_global: the others' clocks should know). A checkpoint is due at the end of a round
+once `checkpoint.every` seconds have passed since the last (`checkpoint_due`); its payload is taken in
+the trainer thread and written to disk in the background while training goes on. Only what an inner step
+changes (the working copy, the inner optimizer's moments) is copied; θ_global, the outer momentum and
+the error-feedback residual are written from the live tensors, because only the trainer thread's other
+jobs change them and those wait for the write (`guard`). A second checkpoint waits for the first, and
+the last one, written whether due or not, is awaited at shutdown.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dilocod.observability.history import RunHistory
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import STATUS_KEY, read_run
-from dilocod.statesync.checkpoint import save_checkpoint
+from dilocod.statesync.checkpoint import checkpoint_due, save_checkpoint
 from peers.node import Node
 from proto import encode_status
 
@@ -34,28 +38,57 @@ class CheckpointWriter:
         payload: Callable[[], dict[str, Any]],
         in_trainer: Callable[[Callable[[], dict[str, Any]]], Any],
         metrics: Metrics,
+        every: float = 0.0,
     ) -> None:
         self.run_dir, self._payload, self._in_trainer, self.metrics = run_dir, payload, in_trainer, metrics
+        self.every = every  # checkpoint.every: seconds between checkpoints (0: every round)
         self._writing: asyncio.Task[None] | None = None
+        self._last: float | None = None  # monotonic time the last checkpoint began
+        self._reading: asyncio.Future[None] | None = None  # done once the write has read the live tensors
 
-    async def checkpoint(self) -> None:
-        """Copy the state now (trainer thread), write it in the background."""
+    async def checkpoint(self, *, force: bool = False) -> None:
+        """Take the state now (trainer thread) and write it in the background, if one is due (or forced)."""
+        if not force and not checkpoint_due(time.monotonic(), self._last, self.every):
+            return
         await self.flush()
+        self._last = time.monotonic()
         payload = await self._in_trainer(self._payload)
-        self._writing = asyncio.create_task(self._write(payload, time.monotonic()))
+        loop = asyncio.get_running_loop()
+        self._reading = loop.create_future()
+        self._writing = asyncio.create_task(self._write(payload, self._last, self._reading))
 
-    async def _write(self, payload: dict[str, Any], started: float) -> None:
+    async def _write(self, payload: dict[str, Any], started: float, reading: asyncio.Future[None]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def serialized() -> None:  # in the writing thread: the live tensors are no longer read
+            loop.call_soon_threadsafe(_settle, reading)
+
         try:
-            await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, self.run_dir, payload)
-            self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+            path = await loop.run_in_executor(None, save_checkpoint, self.run_dir, payload, serialized)
+            seconds = time.monotonic() - started
+            self.metrics.checkpoint_seconds.observe(seconds)
+            log.debug("checkpoint written: %.0f MB in %.1f s", path.stat().st_size / 1e6, seconds)
         except Exception as e:  # a full disk must not stop training; the next checkpoint tries again
             log.error("could not write a checkpoint: %s", e)
+        finally:
+            _settle(reading)
+
+    async def guard(self) -> None:
+        """Wait until a write in progress has read the live tensors (its fsync may go on): for any
+        trainer-thread job that may change θ_global, the outer momentum or the residual."""
+        if self._reading is not None and not self._reading.done():
+            await asyncio.shield(self._reading)
 
     async def flush(self) -> None:
         """Wait for a checkpoint being written."""
         if self._writing is not None:
             await self._writing
             self._writing = None
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class StatusPublisher:

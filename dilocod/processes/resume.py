@@ -148,19 +148,22 @@ def _make_feedback(
 
 
 def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[str, Any]:
-    """Runs in the trainer thread: fresh copies, safe to write while training goes on."""
+    """Runs in the trainer thread. The trainer's state (working copy, inner optimizer moments) is copied:
+    inner steps go on while the file is written. θ_global, the outer momentum and the error-feedback
+    residual are not (a second copy of 8-12 bytes per parameter): the writer's `guard` holds back every
+    trainer-thread job that could change them until the file is written."""
     outer = resumed.outer
     return {
         "run_id": cfg.run.id,
         "preset": cfg.model.preset,
         "outer": {
             "step": outer.step,
-            "params": [p.clone() for p in outer.params],
-            "momentum": [m.clone() for m in outer.momentum],
+            "params": list(outer.params),
+            "momentum": list(outer.momentum),
             "sha256": outer.sha256,
         },
         "trainer": resumed.trainer.state_dict(),
-        "error_feedback": None if resumed.feedback is None else resumed.feedback.state_dict(),
+        "error_feedback": None if resumed.feedback is None else {"residual": list(resumed.feedback.residual)},
         "tokens": resumed.tokens.state_dict(),
         "chunks": resumed.cursor.state_dict(),
         "counters": {

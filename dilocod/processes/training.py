@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -40,8 +40,13 @@ class TrainerThread:
         self.tokens: TokenLedger | None = None  # set once the ledger exists (it resumes from a checkpoint)
         self.seconds_per_step: float | None = None
         self.on_step: Callable[[], None] = lambda: None  # after each step is counted (the driver's hook)
+        # Awaited before every job but inner steps: a checkpoint being written reads θ_global, the outer
+        # momentum and the residual live, and only these jobs (outer step, re-sync, step back) change them.
+        self.guard: Callable[[], Awaitable[None]] | None = None
 
     async def run(self, fn: Callable[[], T]) -> T:
+        if self.guard is not None:
+            await self.guard()
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
     async def evaluate(self) -> float:

@@ -39,13 +39,15 @@ class RoundConfig:
     """`[round]`: the run's clock. Every peer must use the same values (they are part of the settings hash)."""
 
     tokens: int = 0  # tokens the run trains per round; 0 = trainer.inner_steps × one step's tokens × trainers
-    max_seconds: float = 1800.0  # a round closes at the latest this long after it opened
+    # a round closes at the latest this long after it opened; 0 = auto: from the model's size alone (the
+    # same on every peer), at least 1800 s (peers/linkbudget.py)
+    max_seconds: float = 0.0
 
     def validate(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
             raise ValueError(f"round.tokens must be an integer >= 0 (0 = auto), got {self.tokens!r}")
-        if not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
-            raise ValueError(f"round.max_seconds must be > 0, got {self.max_seconds}")
+        if not (math.isfinite(self.max_seconds) and self.max_seconds >= 0):
+            raise ValueError(f"round.max_seconds must be >= 0 seconds (0 = auto), got {self.max_seconds}")
 
 
 @dataclass(frozen=True)

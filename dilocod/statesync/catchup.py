@@ -155,7 +155,7 @@ class StateSync:
                     exclude=tried,
                     min_step=min_step,
                     max_elements=3 * self.outer.num_elements,  # θ_global, momentum, a round in flight
-                    timeout=self.cfg.averaging.state_timeout,
+                    timeout=self.group.state_timeout(self.cfg.averaging.state_timeout),
                 )
             finally:
                 watcher.cancel()
