@@ -8,7 +8,8 @@ same batch, the same loss (cross-entropy on the logits, fp32) and AdamW, in one 
 threads. One repeat = `--steps` timed train steps of ours, then of HF's (after warm-up steps, which is also
 where torch.compile compiles); the table gives each side's median tokens/s and the median of the per-repeat
 ratios ours ÷ HF's (> 1: ours is faster). `--export PRESET` times writing that preset's θ_global as a Hugging
-Face directory (`export.export.write_model` + tokenizer files) and gives its size.
+Face directory (`export.export.write_model` + tokenizer files) and gives its size; `--sample PRESETS` times
+one dashboard sample (48 greedy tokens, `trainer.sampling.Sampler`) of each against one train step.
 """
 
 from __future__ import annotations
@@ -117,6 +118,30 @@ def export_cost(preset: str) -> dict[str, object]:
     return {"preset": preset, "params": count_params(model), "seconds": round(seconds, 2), "bytes": size}
 
 
+def sample_cost(preset: str, args: argparse.Namespace) -> dict[str, object]:
+    """One dashboard sample (`trainer.sampling.Sampler`, 48 greedy tokens after "The") against one train step
+    of `--batch` × `--seq` of the same model, alternating (`--repeats`): seconds and their ratio."""
+    from dilocod.trainer.sampling import Sampler
+
+    model = build_model(ModelConfig(preset), seed=0)
+    sampler = Sampler(load_tokenizer(BYTE), "The", 48, -1)  # no EOS: all 48 tokens, the most a sample costs
+    step = train_step_fn(model, compiled=False)
+    x = torch.randint(0, model.spec.vocab_size, (args.batch, args.seq))
+    sampler(model), step(x, x)  # warm-up
+    samples, steps = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        sampler(model)
+        samples.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        step(x, x)
+        steps.append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(samples, steps)]
+    return {"preset": preset, "sample_seconds": round(statistics.median(samples), 3),
+            "step_seconds": round(statistics.median(steps), 3), "sample_per_step": round(statistics.median(ratios), 3),
+            "batch": [args.batch, args.seq]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="tiny,llama-20m")
@@ -128,6 +153,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", choices=("both", "off", "on"), default="both")
     parser.add_argument("--export", default="", help="a preset to time the export of (e.g. llama-150m)")
+    parser.add_argument("--sample", default="", help="presets to time one dashboard sample of (e.g. tiny)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     modes = {"both": [False, True], "off": [False], "on": [True]}[args.compile]
@@ -136,6 +162,8 @@ def main() -> None:
             print(json.dumps(compare(preset, args, compiled)), flush=True)
     if args.export:
         print(json.dumps({"export": export_cost(args.export)}), flush=True)
+    for preset in filter(None, args.sample.split(",")):
+        print(json.dumps({"sample": sample_cost(preset, args)}), flush=True)
 
 
 if __name__ == "__main__":
