@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer
 
 from dilocod.trainer.model import Transformer
+
+if TYPE_CHECKING:  # the trainer imports torch (and the data package for its corpus) only
+    from tokenizers import Tokenizer
 
 log = logging.getLogger("dilocod.trainer")
 
