@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dilocod.data.cli import run_data
 
         return run_data(args)
-    if args.command in ("export", "generate"):  # offline: files and torch, no network
+    if args.command in ("export", "generate"):  # files and torch (export --from: a short-lived node)
         from dilocod.export.cli import run_export, run_generate
 
         return run_export(args) if args.command == "export" else run_generate(args)

@@ -1,4 +1,4 @@
-"""The concrete wire messages of dilocod (STATUS at version 8, ROUND_TICKET at 4, STATE_META at 2,
+"""The concrete wire messages of dilocod (STATUS at version 10, ROUND_TICKET at 4, STATE_META at 2,
 MANIFEST at 1).
 
 See docs/protocol.md for the protocol these messages belong to.
@@ -15,7 +15,7 @@ _SHA256 = Field("global_sha256", "hex", min=64, max=64)
 
 STATUS = Schema(
     name="dilocod.status",
-    version=9,
+    version=10,
     max_bytes=4096,
     fields=(
         Field("peer_id", "str", min=1, max=128),
@@ -65,6 +65,9 @@ STATUS = Schema(
         Field("joining_since", "float", optional=True, min=0),
         # v9: eval loss in bits per byte of text (comparable between tokenizers).
         Field("eval_bits_per_byte", "float", optional=True, allow_nan=True),
+        # v10: a greedy completion of the run's prompt from θ_global, and the outer step it came from.
+        Field("sample", "str", optional=True, max=200),
+        Field("sample_step", "int", optional=True, min=0),
     ),
 )
 """A peer's status, published by every daemon in the DHT every few seconds.
@@ -96,6 +99,8 @@ on data checked later (the round ticket, the state download's hash), never on th
   reducer rather than over direct connections (a private peer in client mode, or over circuit relay).
 - eval_bits_per_byte (v9): the eval loss as bits per UTF-8 byte of the eval text, so runs with other
   tokenizers compare.
+- sample / sample_step (v10): the sender's latest greedy completion of the run's `trainer.sample_prompt`
+  (at most 200 characters) and the outer step of the θ_global that wrote it; shown on the dashboard.
 - settings_hash (v6): superseded by manifest_hash; still accepted from v6 senders.
 - manifest_hash (v7): sha256 of the run manifest the sender runs with (see MANIFEST).
 - joining / joining_since (v8): set while the sender downloads the run's state (it restarted, or the run

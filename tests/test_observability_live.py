@@ -31,7 +31,7 @@ GRAFANA = REPO / "configs" / "grafana" / "dilocod.json"
 
 @pytest.fixture(scope="module")
 def live(module_swarm: Callable[..., Swarm]) -> Swarm:
-    s = module_swarm(3)
+    s = module_swarm(3, "trainer.sample_every=2")  # a completion of the run's prompt at outer step 2
     s.wait_all_at(2, timeout=240)
     assert s.bootstrap is not None
     run_url = f"http://127.0.0.1:{s.bootstrap.http_port}/api/run"
@@ -221,6 +221,16 @@ def _playwright() -> Any:
     return sync_playwright
 
 
+def _sample(live: Swarm) -> dict[str, Any]:
+    """The bootstrap's newest sample of θ_global (the peers write one every 2 rounds here)."""
+    assert live.bootstrap is not None
+    url = f"http://127.0.0.1:{live.bootstrap.http_port}/api/run"
+    sample: dict[str, Any] = wait_for("a sample in /api/run", lambda: get_json(url)["sample"], 90)
+    assert sample["prompt"] == "The" and isinstance(sample["text"], str) and sample["outer_step"] % 2 == 0
+    assert sample["peer_id"] in _peer_ids(live) and 1 <= sample["peers_agreeing"] <= sample["peers_sampled"]
+    return sample
+
+
 def _open_dashboard(browser: Any, url: str, peers: int, screenshot: Path) -> dict[str, Any]:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
@@ -243,6 +253,9 @@ def _open_dashboard(browser: Any, url: str, peers: int, screenshot: Path) -> dic
               peersCard: document.getElementById("card-peers").textContent,
               sharePoints: Number(document.getElementById("chart-share").dataset.points || 0),
               useful: document.getElementById("card-useful").textContent,
+              samplePrompt: document.getElementById("sample-prompt").textContent,
+              sampleText: document.getElementById("sample-text").textContent,
+              sampleSub: document.getElementById("sample-sub").textContent,
               shareCells: [...document.querySelectorAll("#peers tr[data-peer] td:nth-child(10)")].map((td) => td.textContent),
             })""",
             list(CHARTS),
@@ -258,6 +271,7 @@ def test_dashboard_renders_the_live_run(live: Swarm) -> None:
     sync_playwright = _playwright()
     assert live.bootstrap is not None
     ids = sorted(_peer_ids(live))
+    sample = _sample(live)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=60_000)
         try:
@@ -275,6 +289,10 @@ def test_dashboard_renders_the_live_run(live: Swarm) -> None:
             assert found["sharePoints"] > 0 and found["useful"].endswith("%"), found
             assert all(cell.endswith("%") for cell in found["shareCells"]), found["shareCells"]
             assert not found["ownRoundsShown"]  # a bootstrap has no rounds of its own
+            # What θ_global writes: the run's prompt, a completion, the round it came from.
+            assert found["samplePrompt"] == "The" and found["sampleText"], found
+            assert re.search(r"outer step \d+, by peer …", found["sampleSub"]), found["sampleSub"]
+            assert int(re.findall(r"outer step (\d+)", found["sampleSub"])[0]) >= sample["outer_step"]
             assert shot.stat().st_size > 10_000
 
             # The same page served by a peer: its view of the run, plus its own rounds.

@@ -85,6 +85,8 @@ status_records = st.fixed_dictionaries(
         "joining": st.none() | steps,
         "joining_since": st.none() | nonneg,
         "eval_bits_per_byte": maybe_loss,
+        "sample": st.none() | st.text(max_size=20),
+        "sample_step": st.none() | steps,
     }
 )
 ticket_records = st.fixed_dictionaries(
@@ -198,6 +200,8 @@ def example(schema: Schema) -> dict[str, Any]:
             "joining": 4,
             "joining_since": 1_699_999_995.0,
             "eval_bits_per_byte": 1.25,
+            "sample": " quick brown fox",
+            "sample_step": 4,
         }
     if schema is ROUND_TICKET:
         return {
@@ -576,7 +580,7 @@ def test_schema_definitions_are_checked() -> None:
 
 
 def test_schema_constants() -> None:
-    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 9, 4096)
+    assert (STATUS.name, STATUS.version, STATUS.max_bytes) == ("dilocod.status", 10, 4096)
     assert (ROUND_TICKET.name, ROUND_TICKET.version, ROUND_TICKET.max_bytes) == ("dilocod.ticket", 5, 4096)
     assert ROUND_TICKET.min_version == 4 and STATUS.min_version == 1
     assert (MANIFEST.name, MANIFEST.version, MANIFEST.max_bytes) == ("dilocod.manifest", 1, 16384)

@@ -37,13 +37,22 @@ def _temperature(text: str) -> float:
 def add_export_parsers(sub: Any) -> None:
     """Register `export` and `generate` on the `dilocod` subparsers ``sub``."""
     exp = sub.add_parser("export", help="write a run's θ_global as a Hugging Face Llama model directory")
-    exp.add_argument("--run-dir", type=Path, required=True, help="a peer's run directory (its checkpoint)")
+    where = exp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path, help="a peer's run directory (its checkpoint)")
+    where.add_argument(
+        "--from",
+        dest="from_maddr",
+        metavar="MULTIADDR",
+        help="a node of a running swarm: take the θ_global its peers agree on, without training",
+    )
     exp.add_argument("--out", type=Path, required=True, help="the new model directory (must not exist)")
     exp.add_argument(
         "--data-path",
         type=Path,
-        help="the run's dataset directory, for its tokenizer (default <run dir>/data)",
+        help="the run's dataset directory, for its tokenizer (default <run dir>/data; with --from, fetched)",
     )
+    exp.add_argument("--config", type=Path, help="with --from: this machine's keys (e.g. run.key)")
+    exp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 
     gen = sub.add_parser("generate", help="sample text from a run's θ_global or an exported model")
     src = gen.add_mutually_exclusive_group(required=True)
@@ -63,12 +72,34 @@ def run_export(args: argparse.Namespace) -> int:
 
     def work() -> int:
         start = time.perf_counter()
-        out = export_run(args.run_dir, args.out, data_path=args.data_path)
+        if args.from_maddr is not None:
+            out = _export_from(args)
+        else:
+            out = export_run(args.run_dir, args.out, data_path=args.data_path)
         size = sum(f.stat().st_size for f in out.iterdir())
         print(f"wrote {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s")
         return 0
 
     return _guarded(work)
+
+
+def _export_from(args: argparse.Namespace) -> Path:
+    """`export --from`: a short-lived node of the swarm (hivemind and p2pd), its logs on stderr."""
+    from dilocod.config import config_from_raw, read_raw
+    from dilocod.processes.exportfrom import export_from
+    from dilocod.processes.runtime import run_main, setup_logging
+
+    local_raw = read_raw(args.config, args.overrides)
+    config_from_raw(local_raw)  # this machine's own keys fail here, before the network
+    setup_logging(None)
+    result: list[Path] = []
+
+    async def main() -> int:
+        result.append(await export_from(args.from_maddr, args.out, local_raw, data_path=args.data_path))
+        return 0
+
+    run_main(main())
+    return result[0]
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -88,13 +119,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _guarded(work: Any) -> int:
     """`work()`, with every error a user can cause as one line and exit code 2."""
+    from dilocod.config import ConfigError
     from dilocod.data.errors import DataError
     from dilocod.export.errors import ExportError
     from dilocod.statesync.checkpoint import CheckpointError
 
     try:
         return int(work())
-    except (ExportError, CheckpointError, DataError) as e:
+    except (ExportError, CheckpointError, DataError, ConfigError) as e:
         print(f"dilocod: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:  # e.g. no space left or no permission where the model goes

@@ -85,7 +85,8 @@ def provenance(run: RunModel, tok: Tokenizer, tokenizer_raw: bytes) -> dict[str,
         "outer_step": run.outer_step,
         "tokens_trained": run.tokens_trained,
         "global_sha256": run.global_sha256,
-        "checkpoint": run.checkpoint.name,
+        "checkpoint": run.checkpoint.name if run.checkpoint is not None else None,
+        "swarm": run.swarm,
         "dataset": run.dataset,
         "tokenizer_sha256": hashlib.sha256(tokenizer_raw).hexdigest(),
         "tokenizer_vocab_size": tok.get_vocab_size(with_added_tokens=True),
@@ -100,11 +101,16 @@ def export_run(run_dir: Path, out: Path, *, data_path: Path | None = None) -> Pa
     check_out(out)
     run = read_run(run_dir)
     for note in run.notes:
-        log.warning("%s; exporting %s instead", note, run.checkpoint.name)
+        log.warning("%s; exporting %s instead", note, getattr(run.checkpoint, "name", "?"))
     tok, raw = run_tokenizer(run_dir, run.spec, run.dataset, data_path)
+    return write_export(out, run, tok, raw)
+
+
+def write_export(out: Path, run: RunModel, tok: Tokenizer, tokenizer_raw: bytes) -> Path:
+    """The model directory of `run`'s θ_global with `tok`, its tokenizer, written whole into `out`."""
     with staged(out) as tmp:
         write_model(tmp, run.params, run.spec, eos=eos_id(tok))
         write_tokenizer(tok, tmp, max_len=run.spec.max_seq_len)
-        text = json.dumps(provenance(run, tok, raw), indent=2, sort_keys=True) + "\n"
+        text = json.dumps(provenance(run, tok, tokenizer_raw), indent=2, sort_keys=True) + "\n"
         (tmp / PROVENANCE_FILE).write_text(text, encoding="utf-8")
     return out

@@ -45,10 +45,11 @@ class RunModel:
     outer_step: int
     global_sha256: str
     tokens_trained: int | None
-    checkpoint: Path
+    checkpoint: Path | None  # None: taken from the swarm (`dilocod export --from`)
     manifest_hash: str
     dataset: str | None  # the dataset's index hash (data.dataset), None for a run that set none
     notes: list[str] = field(default_factory=list)  # one line each, e.g. a damaged newest checkpoint
+    swarm: dict[str, Any] | None = None  # taken from the swarm: from where, which donor, how many agreed
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any], list[str]]:

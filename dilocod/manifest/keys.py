@@ -17,7 +17,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "num_shards"),
     "trainer": (
         "inner_steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "total_steps",
-        "min_lr_ratio", "grad_clip", "optimizer", "muon_lr_ratio",
+        "min_lr_ratio", "grad_clip", "optimizer", "muon_lr_ratio", "sample_prompt", "sample_tokens",
     ),
     "round": ("tokens", "max_seconds"),
     "outer": ("lr", "momentum", "nesterov", "overlap", "fragments", "mix_alpha"),
@@ -35,7 +35,7 @@ LOCAL: dict[str, tuple[str, ...]] = {
              "chunk_tokens", "lease_seconds"),
     "trainer": (
         "eval_every", "eval_batches", "device", "threads", "devices", "compile", "activation_checkpointing",
-        "peak_flops", "micro_batch_size",
+        "peak_flops", "micro_batch_size", "sample_every",
     ),
     "outer": ("rebase_on_resync",),
     "averaging": ("state_timeout", "ban_seconds"),

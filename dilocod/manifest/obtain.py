@@ -74,8 +74,10 @@ def peer_ids(initial_peers: Sequence[str]) -> list[str]:
     return [str(parse_multiaddr(text).value_for_protocol("p2p")) for text in initial_peers]
 
 
-async def fetch(initial_peers: Sequence[str], pinned: Manifest | None, host: str) -> Manifest:
-    """The first trustworthy manifest the given peers serve (PeersError if none in FETCH_SECONDS)."""
+async def fetch(
+    initial_peers: Sequence[str], pinned: Manifest | None, host: str, deadline: float = FETCH_SECONDS
+) -> Manifest:
+    """The first trustworthy manifest the given peers serve (PeersError if none in `deadline` seconds)."""
     given = peer_ids(initial_peers)
     chosen: list[Manifest] = []
 
@@ -92,7 +94,7 @@ async def fetch(initial_peers: Sequence[str], pinned: Manifest | None, host: str
         chosen.append(manifest)
         return True
 
-    await fetch_manifests(initial_peers, deadline=FETCH_SECONDS, accept=accept, host=_client_host(host))
+    await fetch_manifests(initial_peers, deadline=deadline, accept=accept, host=_client_host(host))
     return chosen[0]
 
 

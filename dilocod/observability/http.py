@@ -3,8 +3,9 @@
 - `/`: the run dashboard (`dilocod/web/`, plain HTML/JS/CSS; it polls the JSON API below);
 - `/metrics`: Prometheus metrics of this node;
 - `/api/status`: this node (a peer's includes its recent rounds);
-- `/api/run`: `peers`, every live peer's latest status record, from this node's view of the DHT, and
-  `dataset`, the run's progress through its dataset (the chunk schedule), as this node knows it;
+- `/api/run`: `peers`, every live peer's latest status record, from this node's view of the DHT,
+  `dataset`, the run's progress through its dataset (the chunk schedule), as this node knows it, and
+  `sample`, the newest completion of the run's prompt from θ_global (`runview.newest_sample`);
 - `/api/run/manifest`: the run manifest this node runs with (`dilocod/manifest/`), with its hash;
 - `/api/history`: what this node has seen of the run over time (`dilocod.observability.history`).
 """
@@ -56,9 +57,10 @@ class HttpServer:
         history: RunHistory | None = None,
         manifest: Callable[[], dict[str, Any] | None] | None = None,
         dataset: Callable[[], dict[str, Any] | None] | None = None,
+        sample: Callable[[list[dict[str, Any]]], dict[str, Any] | None] | None = None,
     ) -> None:
         self._metrics, self._status, self._run, self._manifest = metrics, status, run, manifest
-        self._dataset = dataset
+        self._dataset, self._sample = dataset, sample
         self._history = history if history is not None else RunHistory()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -108,7 +110,9 @@ class HttpServer:
 
     async def _run_handler(self, _request: web.Request) -> web.Response:
         dataset = self._dataset() if self._dataset is not None else None
-        return json_response({"peers": await self._run(), "dataset": dataset})
+        peers = await self._run()
+        sample = self._sample(peers) if self._sample is not None else None
+        return json_response({"peers": peers, "dataset": dataset, "sample": sample})
 
     async def _manifest_handler(self, _request: web.Request) -> web.Response:
         manifest = self._manifest() if self._manifest is not None else None

@@ -57,6 +57,8 @@ class PeerState:
     dht_records: int | None = None  # records our DHT node holds (stored + cached), read every heartbeat
     loss: float = math.nan
     eval_loss: float | None = None
+    sample: str | None = None  # the latest greedy completion of the run's prompt from θ_global
+    sample_step: int | None = None  # ... and the outer step of that θ_global
     eval_tokens_per_byte: float = 1.0  # of the dataset's eval split: turns the eval loss into bits per byte
     data_fetch: dict[str, Any] | None = None  # while (and after) we download the run's dataset: its progress
     tokens_per_second: float = 0.0
@@ -133,6 +135,8 @@ class PeerState:
             "loss": self.loss,
             "eval_loss": self.eval_loss,
             "eval_bits_per_byte": self.eval_bits_per_byte,
+            "sample": self.sample,
+            "sample_step": self.sample_step,
             "data_fetch": self.data_fetch,
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
@@ -197,6 +201,8 @@ class PeerState:
             "joining": self.joining,
             "joining_since": self.joining_since,
             "eval_bits_per_byte": self.eval_bits_per_byte,
+            "sample": self.sample,
+            "sample_step": self.sample_step,
         }
 
     @property

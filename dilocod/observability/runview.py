@@ -48,6 +48,22 @@ async def read_run(
 HELPERS_KEY = "helpers"
 
 
+def newest_sample(records: list[dict[str, Any]], prompt: str) -> dict[str, Any] | None:
+    """The completion of the run's prompt from the newest θ_global any peer sampled (`trainer.sample_every`),
+    with the outer step it came from, who wrote it, and how many peers wrote the same text at that step (they
+    hold the same θ_global, and sampling is greedy); None before the first."""
+    sampled = [r for r in records if r.get("sample") is not None and r.get("sample_step") is not None]
+    if not sampled:
+        return None
+    step = max(r["sample_step"] for r in sampled)
+    at_step = [r for r in sampled if r["sample_step"] == step]
+    texts = [r["sample"] for r in at_step]
+    text = max(texts, key=texts.count)  # the text most peers wrote there
+    writer = next(r for r in at_step if r["sample"] == text)
+    return {"prompt": prompt, "text": text, "outer_step": step, "peer_id": writer["peer_id"],
+            "peers_agreeing": texts.count(text), "peers_sampled": len(texts)}  # fmt: skip
+
+
 def flag_manifests(records: list[dict[str, Any]], ours: str | None) -> list[dict[str, Any]]:
     """Each record with `other_manifest`: true when its node runs another manifest than `ours` (it can
     never average with us; a record without a hash is from a dilocod too old to say)."""

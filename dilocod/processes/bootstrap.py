@@ -20,7 +20,7 @@ from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.runview import flag_manifests, read_run
+from dilocod.observability.runview import flag_manifests, newest_sample, read_run
 from dilocod.processes.chunks import ChunkService, serve_no_schedule, start_service
 from dilocod.processes.dataset import serve_dataset, served_status
 from dilocod.processes.helper import AuxReducer
@@ -106,7 +106,7 @@ class BootstrapDaemon:
             if self.args.http_port is not None:
                 self.http = HttpServer(
                     self.metrics, self.status, self.run_view, self.history, manifest=self._manifest_json,
-                    dataset=self.dataset_progress,
+                    dataset=self.dataset_progress, sample=self.sample,
                 )  # fmt: skip
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
@@ -159,6 +159,10 @@ class BootstrapDaemon:
 
     def dataset_progress(self) -> dict[str, Any] | None:
         return self.chunk_service.progress() if self.chunk_service is not None else None
+
+    def sample(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        prompt = self.args.config.trainer.sample_prompt if self.args.config is not None else ""
+        return newest_sample([r for r in records if not r.get("other_manifest")], prompt)
 
     def _manifest_json(self) -> dict[str, Any] | None:
         return None if self.args.manifest is None else self.args.manifest.to_json()

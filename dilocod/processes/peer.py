@@ -30,7 +30,7 @@ from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
-from dilocod.observability.runview import NodeRunView, flag_manifests, read_run
+from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
 from dilocod.processes.averaging import PeerAveraging
 from dilocod.processes.chunks import (
     ChunkService,
@@ -56,6 +56,7 @@ from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.trainer import LocalGroup
 from dilocod.trainer.data import PresentSampler
+from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
@@ -303,7 +304,12 @@ class PeerDaemon:
         self._publisher = StatusPublisher(
             network.node, self.state, self.metrics, self.history, cfg.net.status_interval, self.checkpoints
         )
-        parts = Parts(training, PeerAveraging(network.group, judge), self.sync, view, self._publisher)
+        sampler = run_sampler(cfg.data.path, trainer.model.spec.vocab_size, cfg.trainer.sample_prompt,
+                              cfg.trainer.sample_tokens)  # fmt: skip
+        parts = Parts(
+            training, PeerAveraging(network.group, judge), self.sync, view, self._publisher,
+            sample=None if sampler is None else lambda: sampler(trainer.model),
+        )  # fmt: skip
         fragments = pipeline.fragment_count
         machine = MachineSettings(
             overlapped=overlap != "none",
@@ -380,7 +386,7 @@ class PeerDaemon:
             return
         self.http = HttpServer(
             self.metrics, self.status, self.run_view, self.history, manifest=self.args.manifest.to_json,
-            dataset=self.dataset_progress,
+            dataset=self.dataset_progress, sample=self.sample,
         )  # fmt: skip
         port = await self.http.start(self.args.http_host, self.args.http_port)
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
@@ -447,6 +453,10 @@ class PeerDaemon:
         if self.chunk_service is not None:
             return self.chunk_service.progress()
         return self.chunks.progress if self.chunks is not None else None
+
+    def sample(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        ours = [r for r in records if not r.get("other_manifest")]
+        return newest_sample(ours, self.cfg.trainer.sample_prompt)
 
     async def run_view(self) -> list[dict[str, Any]]:
         if self.network is None or self.network.node.dht is None:

@@ -26,7 +26,7 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import STATUS_KEY, read_run
 from dilocod.statesync.checkpoint import checkpoint_due, save_checkpoint
 from peers.node import Node
-from proto import encode_status
+from proto import ProtoError, encode_status
 
 log = logging.getLogger("dilocod.publishing")
 
@@ -106,7 +106,12 @@ class StatusPublisher:
 
     async def publish(self) -> None:
         ttl = max(3 * self.interval, 15.0)
-        await self.node.publish(STATUS_KEY, encode_status(self.state.record()), ttl=ttl)
+        record = self.state.record()
+        try:
+            blob = encode_status(record)
+        except ProtoError:  # a sample of many-byte characters beside many addresses: the sample goes
+            blob = encode_status({**record, "sample": None, "sample_step": None})
+        await self.node.publish(STATUS_KEY, blob, ttl=ttl)
 
     async def checkpoint(self) -> None:
         await self.checkpoints.checkpoint()

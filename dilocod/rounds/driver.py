@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,6 +66,8 @@ class Parts:
     sync: StateSyncing
     view: RunView
     publisher: Publisher
+    # A greedy completion of the run's prompt from the model (run in the trainer thread); None: no samples.
+    sample: Callable[[], str] | None = None
 
 
 class RoundDriver:
@@ -89,7 +92,7 @@ class RoundDriver:
         self.context = RoundContext()
         self.effects = Effects(
             cfg, state, metrics, outer, pipeline, tokens, self.context,
-            training=parts.training, sync=parts.sync, publisher=parts.publisher,
+            training=parts.training, sync=parts.sync, publisher=parts.publisher, sample=parts.sample,
         )  # fmt: skip
         self.timer = RoundTimer(state, tokens, parts.view, clock_settings, cfg.net.status_interval)
         self.observer = RunObserver(

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dilocod.config import Config
@@ -66,10 +67,12 @@ class Effects:
         training: Training,
         sync: StateSyncing,
         publisher: Publisher,
+        sample: Callable[[], str] | None = None,
     ) -> None:
         self.cfg, self.state, self.metrics, self.outer = cfg, state, metrics, outer
         self.pipeline, self.tokens, self.context = pipeline, tokens, context
         self.training, self.sync, self.publisher = training, sync, publisher
+        self.sample = sample
         self._contributed_reported = 0.0  # what the tokens-contributed counter holds
 
     async def perform(self, effect: Effect) -> None:
@@ -110,7 +113,18 @@ class Effects:
         self.new_global()
 
     async def evaluate(self) -> None:
-        """The eval loss of the new θ_global, into the state and the round's record (if it is due)."""
+        """The eval loss of the new θ_global, into the state and the round's record, and a completion of the
+        run's prompt (each when it is due)."""
+        await self._eval()
+        every = self.cfg.trainer.sample_every
+        if self.sample is not None and every > 0 and self.outer.step % every == 0:
+            started = time.perf_counter()
+            self.state.sample = await self.training.run(self.sample)
+            self.state.sample_step = self.outer.step
+            log.info("outer step %d: sample %r (%.2fs)", self.outer.step, self.state.sample,
+                     time.perf_counter() - started)  # fmt: skip
+
+    async def _eval(self) -> None:
         step = self.outer.step
         if step % self.cfg.trainer.eval_every:
             return

@@ -39,6 +39,11 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     eval_every: int = 1  # outer rounds between evaluations
     eval_batches: int = 4  # held-out batches of the dataset's eval split an evaluation of θ_global takes
+    # Outer rounds between greedy completions of sample_prompt from θ_global (shown on the dashboard);
+    # 0: none. One costs sample_tokens forward passes of a short context: a few inner steps' worth at most
+    sample_every: int = 5
+    sample_prompt: str = "The"  # the text every peer completes (the same for the whole run: comparable)
+    sample_tokens: int = 48  # new tokens a completion has at most (its text is cut to 200 characters)
     device: str = "auto"  # "auto" (CUDA with bf16 autocast when present) | "cpu" | "cuda" | "cuda:N"
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default (split between local workers)
     devices: int | str = 1  # local devices (data-parallel workers) of this peer: N >= 1 or "auto"
@@ -73,6 +78,9 @@ class TrainerConfig:
             ),
             ("eval_every", self.eval_every >= 1, ">= 1"),
             ("eval_batches", self.eval_batches >= 1, ">= 1"),
+            ("sample_every", self.sample_every >= 0, ">= 0 (0 = no samples)"),
+            ("sample_prompt", len(self.sample_prompt) <= 200, "at most 200 characters"),
+            ("sample_tokens", 1 <= self.sample_tokens <= 256, "in 1..256"),
             (
                 "device",
                 _DEVICE_PATTERN.fullmatch(self.device) is not None,

@@ -1,7 +1,8 @@
 "use strict";
 // The dilocod run dashboard. It polls the JSON API of the node that serves it (a bootstrap or a peer):
 //   api/status  - this node (a peer's status includes its recent rounds),
-//   api/run     - every live peer's latest status record, from this node's view of the DHT,
+//   api/run     - every live peer's latest status record, from this node's view of the DHT, the run's
+//                 progress through its dataset, and the newest sample of what θ_global writes,
 //   api/history - what this node has seen of the run over time (bounded, see dilocod/history.py),
 //   metrics     - this node's Prometheus counters (bytes, bans, rejections),
 // and draws everything itself as SVG: no libraries, no build step, nothing fetched from elsewhere.
@@ -202,6 +203,16 @@ function runColumn(history, field) {
 const ownCounters = []; // this node's byte counters over time, sampled by this page: [time, sent, received]
 
 // ---- rendering ---------------------------------------------------------------------------------------
+// The newest completion of the run's prompt from θ_global (api/run's sample), with the round it came from.
+function renderSample(sample) {
+  if (!sample) return;
+  $("sample-prompt").textContent = sample.prompt;
+  $("sample-text").textContent = sample.text;
+  const agree = sample.peers_sampled > 1 ? ` · ${sample.peers_agreeing} of ${sample.peers_sampled} peers wrote it` : "";
+  $("sample-sub").textContent = `(outer step ${sample.outer_step}, by peer ${shortId(sample.peer_id)}${agree})`;
+  $("sample").dataset.step = String(sample.outer_step);
+}
+
 function render(status, records, history, metrics, now, dataset) {
   const self = status && status.peer_id;
   // A peer's own record may not be in the DHT yet: show it from its status.
@@ -432,6 +443,7 @@ async function refresh() {
     ]);
     const now = Date.now() / 1000;
     render(status, run.peers || [], history, parseMetrics(metricsText), now, run.dataset);
+    renderSample(run.sample);
     polls++;
     conn.className = "conn ok";
     conn.textContent = `live · updated ${clock(now)}`;

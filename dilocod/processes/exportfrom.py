@@ -1,0 +1,260 @@
+"""`dilocod export --from MADDR`: the run's current θ_global taken from the swarm, without training.
+
+A short-lived node does what a joining peer does (`dilocod/statesync/catchup.py`), and no more: it takes the
+run's manifest from MADDR (the model's shape, the dataset's hash), the tokenizer over the data protocol
+(checked against that hash), then starts a client-mode DHT node and averager, downloads θ_global from the
+most advanced peer that serves it, and keeps it only when (1) it decodes to the run's shapes, finite fp32,
+(2) it matches the donor's own hash, and (3) more than half of the live peers that reported a θ_global for
+that outer step report this one (the donor's own record counted: a run of one peer is its own majority).
+A donor that fails is skipped and the next one tried. The client never averages and serves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from dilocod.config import Config
+from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, parse_index
+from dilocod.data.tokenizer import BYTE, load_tokenizer, tokenizer_json
+from dilocod.diloco.outer import global_sha256
+from dilocod.export.errors import ExportError
+from dilocod.export.export import check_out, write_export
+from dilocod.export.hf import named_params
+from dilocod.export.run import BYTE_VOCAB, RunModel, run_tokenizer
+from dilocod.manifest.adopt import adopt
+from dilocod.manifest.obtain import fetch
+from dilocod.manifest.record import Manifest
+from dilocod.observability.runview import read_run
+from dilocod.processes.groupoptions import averaging_options
+from dilocod.statesync.ledger import remember_hashes
+from dilocod.trainer.model import ModelConfig, ModelSpec
+from peers.datafetch import fetch_file, remote_size
+from peers.datashare import DataFetchError
+from peers.errors import PeersError
+from peers.group import DownloadedState, GroupAverager
+from peers.node import Node, NodeOptions, parse_multiaddr
+from peers.runinfo import dial, start_client
+from proto import ProtoError, decode_state_meta
+
+log = logging.getLogger("dilocod.export")
+
+MANIFEST_SECONDS = 15.0  # a maddr that gives no manifest by then does not answer
+RECORD_SECONDS = 20.0  # how long to wait for the run's records (peers publish every few seconds)
+DONORS = 3  # donors tried before giving up
+MAX_META_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Who reported which θ_global at one outer step."""
+
+    agreeing: int
+    reporting: int
+
+    @property
+    def majority(self) -> bool:
+        return 2 * self.agreeing > self.reporting
+
+
+def agreement(seen: dict[int, dict[str, str]], step: int, served: str) -> Agreement:
+    """How many of the peers that reported a θ_global for `step` report `served` (pure)."""
+    reports = seen.get(step, {})
+    return Agreement(sum(h == served for h in reports.values()), len(reports))
+
+
+async def export_from(
+    maddr: str, out: Path, local_raw: dict[str, Any], *, data_path: Path | None = None
+) -> Path:
+    """Export the run's θ_global, as the peers of the run MADDR belongs to agree on it, into `out`."""
+    out = Path(out)
+    check_out(out)
+    try:
+        parse_multiaddr(maddr)
+    except PeersError as e:
+        raise ExportError(str(e)) from None
+    manifest = await _manifest(maddr)
+    cfg = adopt(manifest, local_raw)
+    spec = ModelConfig(cfg.model.preset, cfg.model.vocab_size).spec()
+    with tempfile.TemporaryDirectory(prefix="dilocod-export-") as tmp:
+        tok, raw = await _tokenizer(cfg, spec, maddr, Path(tmp), data_path)
+    run = await _theta_global(cfg, manifest, spec, maddr)
+    return await asyncio.to_thread(write_export, out, run, tok, raw)
+
+
+async def _manifest(maddr: str) -> Manifest:
+    try:
+        return await fetch([maddr], None, "127.0.0.1", deadline=MANIFEST_SECONDS)
+    except PeersError as e:
+        raise ExportError(f"{maddr} does not answer as a node of a run: {e}") from None
+
+
+async def _tokenizer(
+    cfg: Config, spec: ModelSpec, maddr: str, tmp: Path, data_path: Path | None
+) -> tuple[Tokenizer, bytes]:
+    """The run's tokenizer: from `data_path` (a local copy of the dataset), or the index and tokenizer
+    files over the data protocol from `maddr`, each checked against the hash the manifest pins."""
+    dataset = cfg.data.dataset or None
+    if data_path is not None:
+        return run_tokenizer(tmp, spec, dataset, data_path)
+    if dataset is None:
+        if spec.vocab_size == BYTE_VOCAB:
+            return load_tokenizer(BYTE), tokenizer_json(BYTE)
+        raise ExportError("the run pins no dataset: pass --data-path with a copy that has its tokenizer")
+    p2p = await start_client("127.0.0.1")
+    try:
+        peer = await dial(p2p, parse_multiaddr(maddr), 10.0)
+        index = await _small(p2p, peer, INDEX_FILE, dataset, tmp)
+        await _small(
+            p2p, peer, TOKENIZER_FILE, parse_index(index.read_bytes(), str(index)).tokenizer_sha256, tmp
+        )
+    except (DataFetchError, OSError, PeersError) as e:
+        raise ExportError(f"cannot fetch the run's tokenizer from {maddr}: {e}") from None
+    finally:
+        with contextlib.suppress(Exception):
+            await p2p.shutdown()
+    return run_tokenizer(tmp, spec, dataset, tmp)
+
+
+async def _small(p2p: Any, peer: Any, name: str, sha256: str, tmp: Path) -> Path:
+    size = await remote_size(p2p, peer, name)
+    if size > MAX_META_BYTES:
+        raise DataFetchError(f"it says its {name} has {size} bytes")
+    await fetch_file(p2p, [peer], name, size, sha256, tmp / name)
+    return tmp / name
+
+
+async def _theta_global(cfg: Config, manifest: Manifest, spec: ModelSpec, maddr: str) -> RunModel:
+    """θ_global from a donor, checked as the module's docstring says, with what identifies it."""
+    family = "::" if ":" in cfg.net.host else "0.0.0.0"
+    options = NodeOptions(
+        run_id=manifest.run_id, initial_peers=(maddr,), host=family, client_mode=True,
+        auth=cfg.run.auth(), bootstrap_wait=MANIFEST_SECONDS,
+    )  # fmt: skip
+    node = Node(options)
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(None, node.start)
+    except PeersError as e:
+        raise ExportError(str(e)) from None
+    # This client never averages: its averager holds a one-element buffer, not a copy of the model.
+    group = GroupAverager(
+        node, [torch.zeros(1)], averaging_options(cfg, "client", run_tag=manifest.hash), None
+    )
+    try:
+        group.start()  # forks the averager process: from the main thread, as the peer does
+        return await _Download(cfg, manifest, spec, node, group).run()
+    finally:
+        await loop.run_in_executor(None, group.stop)
+        await loop.run_in_executor(None, node.stop)
+
+
+class _Download:
+    """Donors tried in turn until one serves a θ_global most reporting peers hold."""
+
+    def __init__(self, cfg: Config, manifest: Manifest, spec: ModelSpec, node: Node, group: GroupAverager):
+        self.cfg, self.manifest, self.spec, self.node, self.group = cfg, manifest, spec, node, group
+        self.seen: dict[int, dict[str, str]] = {}  # outer step → peer → θ hash reported
+
+    async def run(self) -> RunModel:
+        await self._wait_for_records()
+        tried: list[str] = []
+        problems: list[str] = []
+        elements = sum(t.numel() for t in named_params_shapes(self.spec))
+        for _ in range(DONORS):
+            got = await self.group.download_state(
+                exclude=tried, min_step=0, max_elements=3 * elements, timeout=self.cfg.averaging.state_timeout
+            )
+            if got is None:
+                break
+            tried.append(got.donor)
+            try:
+                return await self._checked(got)
+            except ExportError as e:
+                log.warning("refused the state of %s: %s", got.donor, e)
+                problems.append(f"{got.donor[-8:]}: {e}")
+        if not problems:
+            raise ExportError(f"no peer of run '{self.manifest.run_id}' served its state")
+        raise ExportError("no θ_global to trust: " + "; ".join(problems))
+
+    async def records(self) -> list[dict[str, Any]]:
+        try:
+            records = await read_run(self.node)
+        except Exception as e:
+            log.debug("could not read the run's records: %r", e)
+            return []
+        peers = [r for r in records if r["role"] == "peer" and r.get("manifest_hash") == self.manifest.hash]
+        remember_hashes(self.seen, peers)
+        return peers
+
+    async def _wait_for_records(self) -> None:
+        deadline = time.monotonic() + RECORD_SECONDS
+        while not await self.records():
+            if time.monotonic() >= deadline:
+                raise ExportError(
+                    f"no peer of run '{self.manifest.run_id}' holds a θ_global: none published a status "
+                    f"record in {RECORD_SECONDS:.0f}s"
+                )
+            await asyncio.sleep(0.5)
+
+    async def _checked(self, got: DownloadedState) -> RunModel:
+        try:
+            meta = decode_state_meta(got.meta)
+        except ProtoError as e:
+            raise ExportError(f"bad state metadata: {e}") from None
+        n = int(meta["param_count"])
+        params = list(got.tensors[:n])
+        if len(got.tensors) < n or any(
+            t.dtype != torch.float32 or not bool(torch.isfinite(t).all()) for t in params
+        ):
+            raise ExportError("its θ_global is not whole, finite fp32")
+        try:
+            named_params(params, self.spec)
+        except ExportError as e:
+            raise ExportError(f"its θ_global is not the run's model: {e}") from None
+        sha, step = global_sha256(params), int(meta["outer_step"])
+        if sha != meta["global_sha256"]:
+            raise ExportError("its θ_global does not match its own hash")
+        votes = await self._agreement(step, sha)
+        if not votes.majority:
+            raise ExportError(
+                f"θ_global {sha[:12]} at outer step {step} is reported by {votes.agreeing} of the "
+                f"{votes.reporting} peers that reported that step"
+            )
+        log.info("θ_global %s at outer step %d from %s, as %d of %d peers report", sha[:12], step,
+                 got.donor, votes.agreeing, votes.reporting)  # fmt: skip
+        m = self.manifest
+        return RunModel(
+            run_id=m.run_id, preset=self.cfg.model.preset, spec=self.spec, params=params, outer_step=step,
+            global_sha256=sha, tokens_trained=None, checkpoint=None, manifest_hash=m.hash,
+            dataset=self.cfg.data.dataset or None,
+            swarm={"donor": got.donor, "peers_agreeing": votes.agreeing, "peers_reporting": votes.reporting},
+        )  # fmt: skip
+
+    async def _agreement(self, step: int, sha: str) -> Agreement:
+        """The reports for `step`, once a majority agrees or the records had time to arrive."""
+        deadline = time.monotonic() + RECORD_SECONDS
+        while True:
+            await self.records()
+            votes = agreement(self.seen, step, sha)
+            if votes.majority or time.monotonic() >= deadline:
+                return votes
+            await asyncio.sleep(0.5)
+
+
+def named_params_shapes(spec: ModelSpec) -> Sequence[torch.Tensor]:
+    """θ_global's tensors as meta tensors (shapes only), in state_dict order."""
+    from dilocod.trainer.model import Transformer
+
+    with torch.device("meta"):
+        return list(Transformer(spec).state_dict().values())

@@ -1,0 +1,84 @@
+"""`dilocod export --from MADDR`: the run's θ_global taken from a running swarm through the CLI, checked against
+the hashes its peers report (a donor that serves another θ is refused and the next one tried), loaded by the
+real `transformers`; and its one-line errors (a maddr that does not answer, a run without peers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dilocod.diloco.outer import global_sha256
+from dilocod.export.hf import from_llama
+from dilocod.processes.exportfrom import agreement
+from tests.harness import REPO, Swarm, round_hashes
+
+SILENT_MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmXZWgfKCKPkfzqZkMNzi6SJrXcavDk9frk8d1NBhaQbjv"
+
+
+def export_from(maddr: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dilocod", "export", "--from", maddr, "--out", str(out)],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def error_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    return lines[0]
+
+
+def test_agreement_needs_more_than_half_of_the_reports_for_that_step() -> None:
+    seen = {3: {"a": "h", "b": "h", "c": "x"}, 4: {"a": "y", "b": "z"}}
+    assert agreement(seen, 3, "h").majority and not agreement(seen, 3, "x").majority
+    assert not agreement(seen, 4, "y").majority  # one of two: a tie is no majority
+    assert (agreement(seen, 5, "h").agreeing, agreement(seen, 5, "h").reporting) == (0, 0)
+
+
+def test_export_from_a_running_swarm(tmp_path: Path) -> None:
+    assert "does not answer" in error_line(export_from(SILENT_MADDR, tmp_path / "none", 60))
+    s = Swarm(tmp_path)
+    try:
+        s.start_bootstrap()
+        # A run with no trainer yet: nothing to export, said in one line.
+        assert "holds a θ_global" in error_line(export_from(s.maddr, tmp_path / "early"))
+        # The bad donor claims the highest step and serves a poisoned θ_global that matches its own hash.
+        s.add_peer()
+        s.add_peer("adversary.mode=bad_donor")
+        s.wait_all_at(2, timeout=150)
+        done = export_from(s.maddr, tmp_path / "model")
+        assert done.returncode == 0, done.stderr[-3000:]
+        check_export(s, tmp_path / "model", done.stderr)
+    except AssertionError as e:  # every process's last words, for a failure seen only on a busy machine
+        raise AssertionError(f"{e}\n{s.log_tails()}") from None
+    finally:
+        s.close()
+
+
+def check_export(s: Swarm, out: Path, stderr: str) -> None:
+    meta = json.loads((out / "dilocod.json").read_text())
+    honest = s.peers[0].status()
+    reported = round_hashes([honest])
+    reported.setdefault(honest["outer_step"], set()).add(honest["global_sha256"])
+    assert meta["global_sha256"] in reported.get(meta["outer_step"], set()), (meta, reported)
+    assert meta["run_id"] == "dilocod" and meta["manifest_hash"] == honest["manifest_hash"]
+    assert meta["swarm"]["peers_agreeing"] * 2 > meta["swarm"]["peers_reporting"]
+    assert "refused the state of" in stderr  # the bad donor, tried first for the step it claims
+    _, params = from_llama(out)
+    assert global_sha256(params) == meta["global_sha256"]  # the file holds exactly that θ_global
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok("def main():", return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()
+    assert tok.decode(ids[0]) == "def main():"
