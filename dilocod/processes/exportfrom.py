@@ -36,6 +36,7 @@ from dilocod.manifest.adopt import adopt
 from dilocod.manifest.obtain import fetch
 from dilocod.manifest.record import Manifest
 from dilocod.observability.runview import read_run
+from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.groupoptions import averaging_options
 from dilocod.statesync.ledger import remember_hashes
 from dilocod.trainer.model import ModelConfig, ModelSpec
@@ -173,7 +174,7 @@ class _Download:
         elements = sum(t.numel() for t in named_params_shapes(self.spec))
         for _ in range(DONORS):
             got = await self.group.download_state(
-                exclude=tried, min_step=0, max_elements=3 * elements, timeout=self.cfg.averaging.state_timeout
+                exclude=tried, min_step=0, max_elements=3 * elements, timeout=self._state_timeout()
             )
             if got is None:
                 break
@@ -186,6 +187,10 @@ class _Download:
         if not problems:
             raise ExportError(f"no peer of run '{self.manifest.run_id}' served its state")
         raise ExportError("no θ_global to trust: " + "; ".join(problems))
+
+    def _state_timeout(self) -> float:
+        """The state download's deadline: the run's value, or the rule's for this model (0 = auto)."""
+        return resolve_deadlines(self.cfg)[0].averaging.state_timeout
 
     async def records(self) -> list[dict[str, Any]]:
         try:
