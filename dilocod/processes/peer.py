@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from dilocod.config import Config
-from dilocod.data.errors import DataError
-from dilocod.data.local import missing_train_shards
-from dilocod.data.shards import load_index
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
 from dilocod.observability.history import RunHistory
@@ -32,21 +29,13 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
 from dilocod.processes.averaging import PeerAveraging
-from dilocod.processes.chunks import (
-    ChunkService,
-    ChunkSync,
-    local_exchange,
-    remote_exchange,
-    serve_no_schedule,
-    start_service,
-)
-from dilocod.processes.dataset import Fetcher, fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.processes.datafeed import DataFeed
+from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
 from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
-from dilocod.processes.shardfetch import LazyShards, server_maddrs, shard_fetcher
 from dilocod.processes.training import TrainerThread
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
@@ -55,7 +44,6 @@ from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.trainer import LocalGroup
-from dilocod.trainer.data import PresentSampler
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
@@ -104,8 +92,10 @@ class PeerDaemon:
         self.local_group: LocalGroup | None = None  # ranks 1..N-1 when the peer trains on N devices
         self.http: HttpServer | None = None
         self.data_server: DataServer | None = None
-        self.chunk_service: ChunkService | None = None  # when we started the run: we coordinate its chunks
-        self.chunks: ChunkSync | None = None
+        # Our batches from the run's chunk schedule, and the training shards they need.
+        self.feed = DataFeed(
+            args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping
+        )
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ---- life cycle ----------------------------------------------------------------------------------------
@@ -131,7 +121,7 @@ class PeerDaemon:
             )
         self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
-        partial = self._partial_copy()
+        partial = self.feed.partial_copy(self.cfg)
         resumed = await loop.run_in_executor(
             self.pool,
             lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial),
@@ -154,8 +144,7 @@ class PeerDaemon:
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
             init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
-        await self._chunk_schedule(resumed, self.network)
-        await self._lazy_shards(resumed, self.network)
+        self._tasks += await self.feed.start(self.cfg, resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
         self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
@@ -183,92 +172,10 @@ class PeerDaemon:
             self.state,
             self.metrics,
             self.bans.ban,
-            train=False,  # the training shards come as our chunks need them (`_lazy_shards`)
+            train=False,  # the training shards come as our chunks need them (`datafeed.py`)
         )
         self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
         return cfg
-
-    async def _chunk_schedule(self, resumed: Resumed, network: Network) -> None:
-        """Take our batches from the run's chunk schedule: as its coordinator when we started the run, else
-        from the coordinator we were given. Leases come before the first step (or the reason none do)."""
-        if not self.cfg.data.dataset:
-            return
-        if not self.args.initial_peers and self.cfg.data.chunk_tokens == 0:
-            if not network.client:
-                await serve_no_schedule(network.node)
-            return
-        if self.args.initial_peers:
-            exchange = remote_exchange(network.node, self.args.initial_peers)
-        else:
-            data = self.cfg.data
-            self.chunk_service = await start_service(
-                network.node, resumed.trainer.train_tokens, data.dataset, data.chunk_tokens, data.lease_seconds,
-                self.args.run_dir, serve=not network.client,
-            )  # fmt: skip
-            self._tasks.append(asyncio.create_task(self.chunk_service.keep_saved(self.stopping)))
-            exchange = local_exchange(self.chunk_service, network.node.peer_id)
-        self.chunks = ChunkSync(resumed.cursor, exchange)
-        loop = asyncio.get_running_loop()
-        wake = self.chunks.wake
-
-        def wake_sync() -> None:  # on the trainer thread
-            loop.call_soon_threadsafe(wake.set)
-
-        resumed.cursor.on_finished = wake_sync
-        await self.chunks.once()
-        if self.chunks.off:
-            return
-        resumed.trainer.cursor = resumed.cursor
-        self._tasks.append(asyncio.create_task(self.chunks.keep_in_step(self.stopping)))
-
-    def _partial_copy(self) -> bool:
-        """Whether our copy of the run's dataset lacks training shards (a joiner's: fetched as needed)."""
-        if not self.cfg.data.dataset or not self.cfg.data.path:
-            return False
-        directory = Path(self.cfg.data.path)
-        return bool(missing_train_shards(directory, load_index(directory)))
-
-    async def _lazy_shards(self, resumed: Resumed, network: Network) -> None:
-        """With a partial copy: the shards of our first chunk now, the rest in the background as the chunk
-        schedule leases them (dilocod/processes/shardfetch.py); every shard first when it leased us none."""
-        if not self._partial_copy():
-            return
-        directory = Path(self.cfg.data.path)
-        lazy = LazyShards(directory, await asyncio.to_thread(load_index, directory), self.state)
-        p2p = await network.node.client_p2p()
-
-        async def servers() -> list[str]:
-            records = await read_run(network.node)
-            return server_maddrs(records, self.state.peer_id, self.args.initial_peers)
-
-        async def fetcher() -> Fetcher | None:
-            return await shard_fetcher(p2p, directory, servers, self.state, self.metrics, self.bans.ban)
-
-        leases = resumed.cursor.leases()
-        first = (
-            lazy.needed(leases[:1])
-            if leases
-            else [n for n in range(len(lazy.shards)) if n not in lazy.present]
-        )
-        if first:
-            self.state.phase = "fetching data"
-            source = await fetcher()
-            if source is None:
-                raise DataError(
-                    "cannot fetch the training shards of our first chunk: no peer of the run answers"
-                )
-            await lazy.fetch(first, source)
-        resumed.cursor.ready = lazy.ready
-        trainer = resumed.trainer
-        trainer.sampler = PresentSampler(
-            trainer.train_source, lazy.present_ranges, seed=self.cfg.run.seed, peer_key=trainer.peer_key,
-            batch_size=self.cfg.trainer.batch_size, seq_len=self.cfg.trainer.seq_len,
-        )  # fmt: skip
-        if self.chunks is not None:
-            self.chunks.on_synced = lazy.wake.set
-        self._tasks.append(
-            asyncio.create_task(lazy.keep_fetched(resumed.cursor.leases, fetcher, self.stopping))
-        )
 
     def _client_host(self) -> str:
         return "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
@@ -428,7 +335,7 @@ class PeerDaemon:
     def status(self) -> dict[str, Any]:
         status = self.state.status()
         status["data_served"] = served_status(self.data_server)
-        status["data_schedule"] = self._schedule_status()
+        status["data_schedule"] = self.feed.status(self.resumed)
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce
@@ -439,20 +346,8 @@ class PeerDaemon:
             status["link_measured"] = group.link.measured
         return status
 
-    def _schedule_status(self) -> dict[str, Any] | None:
-        if self.chunks is None or self.resumed is None:
-            return None
-        return {
-            **self.chunks.status(),
-            "coordinator": self.chunk_service is not None,
-            "unscheduled_batches": self.resumed.trainer.unscheduled_batches,
-        }
-
     def dataset_progress(self) -> dict[str, Any] | None:
-        """The run's progress through its dataset: our own book, or what the coordinator last told us."""
-        if self.chunk_service is not None:
-            return self.chunk_service.progress()
-        return self.chunks.progress if self.chunks is not None else None
+        return self.feed.progress()
 
     def sample(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
         ours = [r for r in records if not r.get("other_manifest")]
