@@ -25,7 +25,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers import datashare, reachability, runinfo, unary
+from peers import datashare, reachability, runinfo, stateshare, unary
 from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
@@ -230,6 +230,15 @@ class Node:
     ) -> datashare.DataServer:
         """Serve dataset files to peers that ask (peers/datashare.py); `resolve` maps a name to our copy."""
         return await datashare.serve_data(await self.started.replicate_p2p(), resolve, rate_limit=rate_limit)
+
+    async def serve_state(self, provider: stateshare.StateProvider) -> stateshare.StateServer:
+        """Serve our state in parts to the run's members that re-sync (peers/stateshare.py)."""
+        return await stateshare.serve_state(await self.started.replicate_p2p(), provider, self.auth)
+
+    async def state_client(self) -> stateshare.P2PStateClient:
+        """Our side of other peers' state servers, with our run-key proof."""
+        proof = self.auth.member_proof(self.started.peer_id.to_bytes()) if self.auth is not None else b""
+        return stateshare.P2PStateClient(await self.client_p2p(), proof)
 
     async def serve_unary(self, protocol: str, handler: unary.Handler, *, max_request: int) -> None:
         """Answer small requests on `protocol` with `handler(peer_id, request)` (peers/unary.py)."""

@@ -61,6 +61,8 @@ class PeerState:
     sample_step: int | None = None  # ... and the outer step of that θ_global
     eval_tokens_per_byte: float = 1.0  # of the dataset's eval split: turns the eval loss into bits per byte
     data_fetch: dict[str, Any] | None = None  # while (and after) we download the run's dataset: its progress
+    state_fetch: dict[str, Any] | None = None  # our latest state download in parts: its progress and donors
+    state_served: dict[str, Any] | None = None  # parts of our state we served to peers that re-synced
     tokens_per_second: float = 0.0
     mfu: float | None = None  # model FLOPs utilization; None when the devices' peak is unknown (CPU)
     devices: int = 1  # local devices training together as this one peer
@@ -138,6 +140,8 @@ class PeerState:
             "sample": self.sample,
             "sample_step": self.sample_step,
             "data_fetch": self.data_fetch,
+            "state_fetch": self.state_fetch,
+            "state_served": self.state_served,
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             "devices": self.devices,

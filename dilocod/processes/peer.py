@@ -43,6 +43,7 @@ from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
+from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
@@ -50,6 +51,8 @@ from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
 from peers.datashare import DataServer
 from peers.linkbudget import MBIT
+from peers.statedownload import PartsDownload
+from peers.stateshare import StateServer
 
 log = logging.getLogger("dilocod.daemon")
 
@@ -92,6 +95,7 @@ class PeerDaemon:
         self.local_group: LocalGroup | None = None  # ranks 1..N-1 when the peer trains on N devices
         self.http: HttpServer | None = None
         self.data_server: DataServer | None = None
+        self.state_server: StateServer | None = None
         # Our batches from the run's chunk schedule, and the training shards they need.
         self.feed = DataFeed(
             args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping
@@ -140,7 +144,9 @@ class PeerDaemon:
         # local group's sockets and threads.
         await loop.run_in_executor(self.pool, self._start_local_group)
         self._describe_network(self.network)
-        self.driver = self._wire(resumed, self.network)
+        self.driver = self._wire(resumed, self.network, await self._parts_source(resumed, self.network))
+        if not self.network.client:  # a private peer accepts no connections: it cannot serve
+            self.state_server = await self.network.node.serve_state(self._state_or_none)
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
             init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
@@ -180,7 +186,21 @@ class PeerDaemon:
     def _client_host(self) -> str:
         return "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
 
-    def _wire(self, resumed: Resumed, network: Network) -> RoundDriver:
+    async def _parts_source(self, resumed: Resumed, network: Network) -> PartsSource:
+        """Our state downloads in parts from several donors at once (peers/statedownload.py)."""
+        download = PartsDownload(
+            await network.node.state_client(),
+            max_bytes=3 * 4 * resumed.outer.num_elements,  # θ_global, momentum, a round in flight (fp32)
+        )
+
+        def on_status(progress: dict[str, Any]) -> None:
+            self.state.state_fetch = {**(self.state.state_fetch or {}), **progress}
+
+        return PartsSource(download, on_status)
+
+    def _wire(
+        self, resumed: Resumed, network: Network, parts_source: PartsSource | None = None
+    ) -> RoundDriver:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""
         cfg, outer, trainer = self.cfg, resumed.outer, resumed.trainer
         training = TrainerThread(trainer, self.pool, self.state, self.metrics, self.stopping)
@@ -198,6 +218,7 @@ class PeerDaemon:
             cfg, outer, trainer, network.group, self.adversary,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
             banned=self.bans.peer_ids, on_adopted=pipeline.adopted, count_bytes=self._count_download,
+            parts=parts_source,
         )  # fmt: skip
         self.sync.share()
         self.checkpoints = CheckpointWriter(
@@ -265,6 +286,12 @@ class PeerDaemon:
         if self.sync is None:
             raise RuntimeError("no state to share yet")
         return self.sync.current()
+
+    def _state_or_none(self) -> tuple[bytes, list[Any]] | None:
+        """What a peer downloading our state in parts gets (peers/stateshare.py); None before we have one."""
+        if self.state_server is not None:
+            self.state.state_served = self.state_server.status()
+        return None if self.sync is None or self.sync.snapshot is None else self.sync.current()
 
     def _describe_network(self, network: Network) -> None:
         self.state.peer_id = network.node.peer_id

@@ -25,6 +25,7 @@ import torch
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress, rebase
 from dilocod.statesync.ledger import expected_hash, minority_holders, remember_hashes, served_verdict
+from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import InnerTrainer
 from dilocod.trust.adversary import Adversary
 from peers.group import DownloadedState, GroupAverager
@@ -75,10 +76,12 @@ class StateSync:
         banned: Callable[[], list[str]],
         on_adopted: Callable[[], None],
         count_bytes: Callable[[int, int], None],
+        parts: PartsSource | None = None,
     ) -> None:
         self.cfg, self.outer, self.trainer, self.group, self.adversary = cfg, outer, trainer, group, adversary
         self._in_trainer, self._records, self._punish = in_trainer, records, punish
         self._banned, self._on_adopted, self._count_bytes = banned, on_adopted, count_bytes
+        self.parts = parts  # the download in parts from several donors (None: whole, from one donor)
         self.seen: dict[int, dict[str, str]] = {}  # outer step → peer id → the θ hash it reported there
         self.snapshot: Snapshot | None = None
 
@@ -151,28 +154,60 @@ class StateSync:
             # held at the step the donor sends, which the donor's state is checked against.
             watcher = asyncio.create_task(self._watch_records())
             try:
-                downloaded = await self.group.download_state(
-                    exclude=tried,
-                    min_step=min_step,
-                    max_elements=3 * self.outer.num_elements,  # θ_global, momentum, a round in flight
-                    timeout=self.group.state_timeout(self.cfg.averaging.state_timeout),
-                )
+                downloaded, donors, again = await self._download(tried, min_step)
             finally:
                 watcher.cancel()
             if downloaded is None:
+                if again:  # a cut download in parts: the next try keeps the parts that arrived
+                    continue
                 break
-            tried.append(downloaded.donor)
+            tried.extend(donors)
             self._count_bytes(0, GroupAverager.payload_bytes(downloaded))
             verdict = await self._verify(downloaded, min_step)
             if verdict is None:
                 kept = await self._adopt(downloaded)
                 return kept, downloaded.donor, self._pending(downloaded)
             problem, lie = verdict
-            log.warning("refused state from %s: %s", downloaded.donor, problem)
+            log.warning("refused state from %s: %s", ", ".join(donors), problem)
             if lie:  # only evidence of lying is punished; a donor ahead of the records is merely early
-                await self._punish([(downloaded.donor, f"served state that was refused: {problem}")])
+                await self._punish(
+                    [
+                        (d, f"served state that was refused: {problem}")
+                        for d in self._liars(downloaded, donors)
+                    ]
+                )
         log.warning("could not re-sync from peers (best known outer step %d); training on", best)
         return None
+
+    async def _download(
+        self, tried: list[str], min_step: int
+    ) -> tuple[DownloadedState | None, list[str], bool]:
+        """(the state, the donors that declared it, whether a cut download is worth another try). In parts
+        from several donors at once; whole from one donor when no donor serves parts."""
+        timeout = self.group.state_timeout(self.cfg.averaging.state_timeout)
+        if self.parts is not None:
+            fetched = await self.parts.fetch(await self.others(), tried, min_step, timeout)
+            if fetched.liars:  # a part whose bytes miss the digest its donor declared: banned at once
+                await self._punish(fetched.liars)
+                tried.extend(d for d, _ in fetched.liars)
+            if fetched.state is not None or fetched.resumable:
+                return fetched.state, fetched.donors, fetched.resumable
+        downloaded = await self.group.download_state(
+            exclude=tried,
+            min_step=min_step,
+            max_elements=3 * self.outer.num_elements,  # θ_global, momentum, a round in flight
+            timeout=timeout,
+        )
+        return downloaded, [] if downloaded is None else [downloaded.donor], False
+
+    def _liars(self, downloaded: DownloadedState, donors: list[str]) -> list[str]:
+        """Of the donors that declared a refused state, those whose own record does not report it (one that
+        does holds a minority θ_global: no lie, see `served_verdict`)."""
+        if len(donors) < 2:
+            return donors  # the whole-state path's one donor: `_verify` judged it
+        meta = decode_state_meta(downloaded.meta)  # decoded by the downloader already: valid
+        reports = self.seen.get(meta["outer_step"], {})
+        return [d for d in donors if reports.get(d) != meta["global_sha256"]]
 
     async def _watch_records(self) -> None:
         while True:
