@@ -1,0 +1,51 @@
+"""Through the CLI: a peer that joins a running swarm downloads θ_global and the momentum in parts from
+both of the run's peers at once, and trains on with the run's θ_global."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+
+from tests.harness import Swarm, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(240)
+def test_a_joiner_downloads_the_state_in_parts_from_two_donors(swarm: Callable[..., Swarm]) -> None:
+    s = swarm(2)
+    try:
+        s.wait_all_at(1, timeout=120)
+        donors = {p.status()["peer_id"] for p in s.peers}
+        joiner = s.add_peer()
+        s.wait_serving(joiner)
+        fetch = wait_for(
+            "the joiner's state download in parts",
+            lambda: (f := joiner.status().get("state_fetch")) and not f["active"] and f,
+            90,
+        )
+        # every part came from one of the two donors, and each of them sent some
+        assert fetch["error"] is None, fetch
+        assert set(fetch["parts_from"]) == donors, fetch
+        assert sum(fetch["parts_from"].values()) == fetch["parts_total"] > 1, fetch
+        assert fetch["bytes_done"] == fetch["bytes_total"] and not fetch["banned"], fetch
+        assert joiner.run_dir is not None
+        pattern = re.compile(r"re-synced to outer step (\d+) from \S+ \(θ ([0-9a-f]{12})\)")
+        found = wait_for(  # adopted once the hash is checked against the run's records
+            "the joiner to adopt the state",
+            lambda: pattern.search((joiner.run_dir / "dilocod.log").read_text()),  # type: ignore[operator]
+            30,
+        )
+        assert "from 2 donors" in (joiner.run_dir / "dilocod.log").read_text()
+        step, theta = int(found[1]), found[2]
+        held = {
+            e["global_sha256"][:12]
+            for p in s.peers[:2]
+            for e in p.status()["rounds"]
+            if e["outer_step"] == step and e["result"] == "ok"
+        }
+        assert held == {theta}, (step, theta, held)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{s.log_tails()}") from None
