@@ -35,6 +35,9 @@ log = logging.getLogger("peers.statedownload")
 HEAD_TIMEOUT = 10.0  # seconds a donor has to describe its snapshot
 MIN_PART_TIMEOUT = 15.0  # the least a part is given, however small
 MAX_DONORS = 8  # donors asked at once; more add requests, not bandwidth
+# Parts each donor sends at once: with one, its link idles for a round trip between parts. The plan gives
+# each donor this many slots ("<donor>#<k>"); a lie by one slot bans them all.
+IN_FLIGHT = 2
 
 
 class StateTransport(Protocol):
@@ -115,7 +118,7 @@ class PartsDownload:
         expected = tuple(agreed[1:])
         partial = self._buffer(layout, expected)
         plan = PartPlan(
-            split_parts(layout.total, layout.part_bytes), expected, list(agreeing),
+            split_parts(layout.total, layout.part_bytes), expected, _slots(agreeing),
             max_failures=self.max_failures, done=resumed_parts(partial.stored, expected),
         )  # fmt: skip
         result = PartsResult(donors=list(agreeing), resumed=len(plan.done))
@@ -125,7 +128,7 @@ class PartsDownload:
         )
         self._report(plan, head, result)
         await self._fetch(plan, partial, snapshots, part_timeout, deadline, head, result)
-        for donor in plan.banned:
+        for donor in sorted({_donor(slot) for slot in plan.banned}):
             result.liars.append((donor, "sent a state part whose bytes do not match the digest it declared"))
         if not plan.finished:
             result.error = f"{len(plan.done)} of {len(plan.parts)} parts arrived" + (
@@ -186,27 +189,30 @@ class PartsDownload:
         running: dict[asyncio.Task[str | None], tuple[str, int]] = {}
         try:
             while not plan.finished:
-                for donor, part in plan.assign():
+                for slot, part in plan.assign():
+                    donor = _donor(slot)
                     task = asyncio.ensure_future(
                         self._one_part(
                             donor, snapshots[donor], part.index, view[part.start : part.end], part_timeout
                         )
                     )
-                    running[task] = (donor, part.index)
+                    running[task] = (slot, part.index)
                 left = deadline - time.monotonic()
                 if not running or left <= 0:
                     return
                 done, _ = await asyncio.wait(running, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    donor, index = running.pop(task)
-                    digest = task.result()
-                    if digest is None:
-                        plan.failed(donor, index)
-                    elif plan.received(donor, index, digest):
+                    slot, index = running.pop(task)
+                    digest, donor = task.result(), _donor(slot)
+                    if digest is None:  # counts against the donor, every slot of it
+                        for sibling in _slots([donor]):
+                            plan.failed(sibling, index)
+                    elif plan.received(slot, index, digest):
                         partial.stored[index] = digest
                         result.parts_from[donor] += 1
                     else:
                         log.warning("state part %d from %s does not match its digest: a lie", index, donor)
+                        plan.banned.update(_slots([donor]))  # its other slots too: asked nothing more
                 self._report(plan, head, result)
         finally:
             for task in running:
@@ -236,12 +242,21 @@ class PartsDownload:
                 "bytes_total": total,
                 "parts_done": len(plan.done),
                 "parts_total": len(plan.parts),
-                "donors": [d for d in plan.donors if plan.usable(d)],
+                "donors": sorted({_donor(d) for d in plan.donors if plan.usable(d)}),
                 "parts_from": dict(result.parts_from),
                 "resumed_parts": result.resumed,
-                "banned": sorted(plan.banned),
+                "banned": sorted({_donor(d) for d in plan.banned}),
             }
         )
+
+
+def _slots(donors: Sequence[str]) -> list[str]:
+    """The plan's donors: IN_FLIGHT slots of each, first slots first (so every donor starts at once)."""
+    return [f"{donor}#{k}" for k in range(IN_FLIGHT) for donor in donors]
+
+
+def _donor(slot: str) -> str:
+    return slot.rsplit("#", 1)[0]
 
 
 def _key(head: dict[str, Any]) -> str:

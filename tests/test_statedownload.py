@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from peers.auth import RunAuth
-from peers.statedownload import PartsDownload
+from peers.statedownload import IN_FLIGHT, PartsDownload
 from peers.stateshare import P2PStateClient, Snapshot, StateRefused, StateServer, part_size
 from proto import ProtoError, encode_state_meta
 from proto.state import decode_state_head, decode_state_part, decode_state_request, encode_state_request
@@ -106,7 +106,7 @@ def test_a_liar_is_named_and_its_parts_come_from_the_others() -> None:
     result = asyncio.run(download(fake).download(["liar", "b", "c"], timeout=30))
     assert result.ok and same(result.tensors, tensors)
     assert [d for d, _ in result.liars] == ["liar"] and "digest" in result.liars[0][1]
-    assert len(fake.asked["liar"]) == 1 and "liar" not in result.parts_from  # asked once, never again
+    assert len(fake.asked["liar"]) <= IN_FLIGHT and "liar" not in result.parts_from  # one try, then never
 
 
 def test_a_slow_donor_and_a_cut_stream_give_their_parts_back() -> None:
