@@ -123,9 +123,10 @@ class PartsDownload:
         )  # fmt: skip
         result = PartsResult(donors=list(agreeing), resumed=len(plan.done))
         snapshots = {donor: heads[donor][0]["snapshot"] for donor in agreeing}
-        part_timeout = max(
-            self.min_part_timeout, 2 * timeout * layout.part_bytes * len(agreeing) / max(layout.total, 1)
-        )
+        # Twice a part's share of the whole download's time (each donor sends IN_FLIGHT at once), but at
+        # most half of it: a stalled part must leave time to fetch it again from another donor.
+        share = IN_FLIGHT * timeout * layout.part_bytes * len(agreeing) / max(layout.total, 1)
+        part_timeout = max(self.min_part_timeout, min(timeout / 2, 2 * share))
         self._report(plan, head, result)
         await self._fetch(plan, partial, snapshots, part_timeout, deadline, head, result)
         for donor in sorted({_donor(slot) for slot in plan.banned}):

@@ -26,13 +26,27 @@ from proto.records import (
     encode_ticket,
 )
 from proto.schema import Field, ProtoError, Schema, decode, encode
+from proto.state import (
+    STATE_HEAD,
+    STATE_PART,
+    STATE_REQUEST,
+    decode_state_head,
+    decode_state_part,
+    decode_state_request,
+    encode_state_head,
+    encode_state_part,
+    encode_state_request,
+)
 
 __all__ = [
     "DATA_REPLY",
     "DATA_REQUEST",
     "MANIFEST",
     "ROUND_TICKET",
+    "STATE_HEAD",
     "STATE_META",
+    "STATE_PART",
+    "STATE_REQUEST",
     "STATUS",
     "Field",
     "ProtoError",
@@ -41,14 +55,20 @@ __all__ = [
     "decode_data_reply",
     "decode_data_request",
     "decode_manifest",
+    "decode_state_head",
     "decode_state_meta",
+    "decode_state_part",
+    "decode_state_request",
     "decode_status",
     "decode_ticket",
     "encode",
     "encode_data_reply",
     "encode_data_request",
     "encode_manifest",
+    "encode_state_head",
     "encode_state_meta",
+    "encode_state_part",
+    "encode_state_request",
     "encode_status",
     "encode_ticket",
 ]
