@@ -196,3 +196,64 @@ def test_a_donor_with_overlap_serves_its_completed_round_in_flight_until_the_clo
     assert sync._check_content(tensors[:4], {**decoded, "pending_tensors": None}) is None
     sync.share()  # the close applied it: a new θ_global, nothing pending
     assert decode_state_meta(sync.current()[0])["pending_tensors"] == 0
+
+
+def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_once() -> None:
+    """StateSync's download goes through the part plan: donors from the run's records, a lying donor
+    punished as soon as its part misses the digest, and the state then checked against the run's hash."""
+    import asyncio
+
+    import torch
+
+    from dilocod.config import load_config
+    from dilocod.diloco import OuterOptimizer
+    from dilocod.statesync.catchup import StateSync
+    from dilocod.statesync.parts import PartsSource
+    from dilocod.trust.adversary import Adversary
+    from peers.statedownload import PartsDownload
+    from tests.test_statedownload import FakeDonors
+
+    cfg = load_config(None)
+
+    class Group:
+        def set_state_step(self, step: float) -> None:
+            self.step = step
+
+        def state_timeout(self, configured: float) -> float:
+            return 30.0
+
+    def sync(**kwargs: Any) -> StateSync:
+        outer = OuterOptimizer([torch.linspace(0, 1, 300_000), torch.ones(7)], cfg.outer)
+        return StateSync(
+            cfg, outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
+            in_trainer=None, on_adopted=lambda: None, count_bytes=None, **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    donor = sync(records=None, punish=None, banned=list)
+    donor.share()
+    served = donor.current()
+    records = [record(peer, 0, donor.outer.sha256) for peer in ("a", "b", "liar")]
+    punished: list[tuple[str, str]] = []
+    status: dict[str, Any] = {}
+
+    async def read_records() -> list[dict[str, Any]]:
+        return records
+
+    async def punish(found: list[tuple[str, str]]) -> None:
+        punished.extend(found)
+
+    fake = FakeDonors({peer: served for peer in ("a", "b", "liar")}, {"liar": "liar"})
+    parts = PartsSource(PartsDownload(fake, max_bytes=10 << 20), status.update)
+    joiner = sync(records=read_records, punish=punish, banned=list, parts=parts)
+
+    async def main() -> tuple[Any, list[str], Any]:
+        tried: list[str] = []
+        downloaded, donors, again = await joiner._download(tried, 0)
+        assert not again and "liar" in tried
+        return downloaded, donors, await joiner._verify(downloaded, 0)
+
+    downloaded, donors, verdict = asyncio.run(main())
+    assert verdict is None  # its θ_global is the one the run reports: it would be adopted
+    assert all(torch.equal(a, b) for a, b in zip(downloaded.tensors, served[1]))
+    assert [p for p, _ in punished] == ["liar"] and sorted(donors) == ["a", "b", "liar"]
+    assert set(status["parts_from"]) == {"a", "b"} and status["banned"] == ["liar"] and not status["active"]
