@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from hivemind.p2p import P2P, PeerID  # noqa: E402
 from hivemind.utils.multiaddr import Multiaddr  # noqa: E402
 
+from peers import statedownload  # noqa: E402
 from peers.statedownload import PartsDownload  # noqa: E402
 from peers.stateshare import STATE_PROTOCOL, P2PStateClient, StateServer  # noqa: E402
 from proto import encode_state_meta  # noqa: E402
@@ -116,7 +117,7 @@ def run_bed(args: argparse.Namespace) -> list[dict[str, Any]]:
             time.sleep(0.2)
         maddrs = [f.read_text() for f in files]
         argv = [*me, "joiner", "--host", bed.addr("pub"), "--mb", str(args.mb), "--repeat", str(args.repeat),
-                "--out", str(work / "rows.json"), "--donors", *maddrs]  # fmt: skip
+                "--out", str(work / "rows.json"), "--in-flight", str(args.in_flight or 0), "--donors", *maddrs]  # fmt: skip
         bed.call("pub", argv, timeout=3600)
         for i in range(DONORS):
             (work / f"d{i}.stop").write_text("")
@@ -128,7 +129,11 @@ def run_bed(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     bits = args.mb * 1e6 * 8
-    print(f"state {args.mb} MB, donors' links {args.rate} Mbit/s each way, {args.delay_ms} ms one-way delay")
+    in_flight = args.in_flight or statedownload.IN_FLIGHT
+    print(
+        f"state {args.mb} MB, donors' links {args.rate} Mbit/s each way, {args.delay_ms} ms one-way delay, "
+        f"{in_flight} parts in flight per donor"
+    )
     print("donors | bound s | median s | runs s | bound ÷ time | speed-up vs 1 donor")
     one = None
     for count in COUNTS:
@@ -149,6 +154,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=40.0, help="each donor's link, Mbit/s each way")
     ap.add_argument("--delay-ms", type=float, default=10.0)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--in-flight", type=int, default=None, help="parts a donor sends at once (default: the code's)"
+    )
     ap.add_argument("--host", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--donors", nargs="*", help=argparse.SUPPRESS)
@@ -156,6 +164,8 @@ def main() -> None:
     if args.role == "donor":
         asyncio.run(donor(args.host, args.out, args.mb))
     elif args.role == "joiner":
+        if args.in_flight:
+            statedownload.IN_FLIGHT = args.in_flight
         asyncio.run(joiner(args.host, args.donors, args.mb, args.repeat, args.out))
     else:
         summarize(args, run_bed(args))
