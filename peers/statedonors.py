@@ -1,4 +1,6 @@
-"""Our state, for the run's peers only: serving it to peers that hold the run key, and downloading it.
+"""Our state, for the run's peers only: serving it to peers that hold the run key, and downloading it whole
+from one donor at a time (a re-syncing peer downloads in parts from several, peers/statedownload.py, and
+comes here only when no donor serves parts; `dilocod export --from` downloads here).
 
 A joining or re-syncing peer downloads the state (metadata and tensors) from another peer. The
 averager here (a base class of `RunAverager`, in its process like hivemind's) adds to hivemind's download:

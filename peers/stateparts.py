@@ -1,7 +1,7 @@
 """The part plan of a state download from several donors at once (issue 27, item 3): pure bookkeeping.
 
-Today a joiner downloads θ_global and the momentum (8 bytes a parameter, 8 GB for a 1B model) whole from
-one donor at a time. Split into parts, the same state comes from every donor at once, so its time is
+Whole, θ_global and the momentum (8 bytes a parameter, 8 GB for a 1B model) come from one donor at a
+time. Split into parts, the same state comes from every donor at once, so its time is
 about its size ÷ the donors' summed upload rates, and a cut download keeps the parts it has. Each part is
 checked against its expected sha256 as it arrives:
 
@@ -15,8 +15,8 @@ checked against its expected sha256 as it arrives:
   donor, which is dropped (not banned) after `max_failures`;
 - a resumed download keeps the parts whose stored bytes still match (`resumed_parts`).
 
-No I/O here: the downloader (not yet written: `peers/statedonors.py` still fetches whole states) asks the
-plan what to fetch from whom, and tells it what happened. `tests/test_stateparts.py` covers the cases.
+No I/O here: the downloader (`peers/statedownload.py`) asks the plan what to fetch from whom, and tells it
+what happened. `tests/test_stateparts.py` covers the cases.
 """
 
 from __future__ import annotations
