@@ -1,4 +1,4 @@
-"""Dataset-file download over p2p (peers/datashare.py) vs a plain TCP copy of the same bytes, on loopback.
+"""A dataset file's download (peers/datafetch.py), over HTTP and over p2p, vs a plain TCP copy of the same bytes.
 
     .venv/bin/python bench/datafetch.py [--mb 200] [--repeat 3] [--piece-kib 1024] [--dir /dev/shm]
 
@@ -7,10 +7,12 @@ disk out of both sides, so what is left is the transport.
 
 One server p2pd and one client p2pd in this process (as a node runs them: each daemon is a child process,
 the Python side talks to it over a unix socket). Each repeat times, side by side:
-- `p2p`: fetch_file end to end (request, stream, write to <dest>.part, sha256 as bytes come, rename);
+- `http`: fetch_file as a joiner runs it (the server's HTTP path, peers/databulk.py: its port asked over p2p,
+  then a Range GET answered with sendfile; write to <dest>.part, sha256 as bytes come, rename);
+- `p2p`: fetch_file over the p2p data protocol only (what a server without a reachable HTTP port gives);
 - `tcp`: an asyncio TCP server that `sendfile`s the same file, a client that writes it to disk;
 - `tcp+sha`: the same with the client hashing as it writes (the work fetch_file does besides the transport).
-The ratio is p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and the median.
+The ratios are http ÷ tcp and p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and their medians.
 
 Each path's CPU seconds per GB are printed too (this process, and for p2p both p2pd daemons, from
 /proc): on a loaded machine the wall-clock ratio is noise, the CPU cost is not.
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers.databulk import BulkRoutes
 from peers.datafetch import fetch_file, file_matches
 from peers.datashare import serve_data
 
@@ -69,10 +72,13 @@ async def start_p2p() -> P2P:
     )
 
 
-async def p2p_fetch(client: P2P, server: P2P, size: int, sha: str, dest: Path) -> float:
+async def fetch(
+    client: P2P, server: P2P, size: int, sha: str, dest: Path, routes: BulkRoutes | None
+) -> float:
     dest.unlink(missing_ok=True)
     began = time.perf_counter()
-    await fetch_file(client, [server.peer_id], NAME, size, sha, dest)
+    result = await fetch_file(client, [server.peer_id], NAME, size, sha, dest, routes=routes)
+    assert result.received == size and not result.failed
     took = time.perf_counter() - began
     assert file_matches(dest, size, sha)
     return took
@@ -111,25 +117,34 @@ async def main(mb: int, repeat: int, piece: int, where: str | None) -> None:
             own = Multiaddr(f"/p2p/{server.peer_id}")
             maddrs = [m.decapsulate(own) for m in await server.get_visible_maddrs()]
             await client._client.connect(server.peer_id, maddrs)
-            await serve_data(server, lambda name: source if name == NAME else None, piece_size=piece)
+            resolve = lambda name: source if name == NAME else None  # noqa: E731
+            data = await serve_data(server, resolve, piece_size=piece, bulk_host="127.0.0.1", bulk_port=0)
+            assert data.bulk is not None, "the HTTP path did not start"
+            routes = BulkRoutes(client)
             daemons = [p._child.pid for p in (server, client) if p._child is not None]
-            ratios = []
+            ratios: dict[str, list[float]] = {"http": [], "p2p": []}
             for i in range(repeat):
                 cpu = [cpu_seconds(daemons)]
-                p2p = await p2p_fetch(client, server, size, sha, dest)
+                http = await fetch(client, server, size, sha, dest, routes)
+                cpu.append(cpu_seconds(daemons))
+                p2p = await fetch(client, server, size, sha, dest, None)
                 cpu.append(cpu_seconds(daemons))
                 tcp = await tcp_copy(source, dest, hash_too=False)
                 cpu.append(cpu_seconds(daemons))
                 tcp_sha = await tcp_copy(source, dest, hash_too=True)
                 cpu.append(cpu_seconds(daemons))
-                per_gb = [(b - a) * 1000 / mb for a, b in zip(cpu, cpu[1:])]
-                ratios.append(tcp / p2p)
+                gb = [(b - a) * 1000 / mb for a, b in zip(cpu, cpu[1:])]
+                ratios["http"].append(tcp / http)
+                ratios["p2p"].append(tcp / p2p)
                 print(
-                    f"run {i + 1}: p2p {mb / p2p:6.1f} MB/s ({per_gb[0]:4.1f} CPU s/GB)   "
-                    f"tcp {mb / tcp:6.1f} MB/s ({per_gb[1]:4.1f})   tcp+sha {mb / tcp_sha:6.1f} MB/s ({per_gb[2]:4.1f})   "
-                    f"p2p/tcp {tcp / p2p:.2f}   p2p/(tcp+sha) {tcp_sha / p2p:.2f}"
+                    f"run {i + 1}: http {mb / http:6.1f} MB/s ({gb[0]:4.1f} CPU s/GB)   "
+                    f"p2p {mb / p2p:6.1f} ({gb[1]:4.1f})   tcp {mb / tcp:6.1f} ({gb[2]:4.1f})   "
+                    f"tcp+sha {mb / tcp_sha:6.1f} ({gb[3]:4.1f})   http/tcp {tcp / http:.2f}   p2p/tcp {tcp / p2p:.2f}"
                 )
-            print(f"median p2p/tcp ratio over {repeat} runs of {mb} MB: {statistics.median(ratios):.2f}")
+            for path, values in ratios.items():
+                print(
+                    f"median {path}/tcp ratio over {repeat} runs of {mb} MB: {statistics.median(values):.2f}"
+                )
         finally:
             await asyncio.gather(server.shutdown(), client.shutdown())
 
