@@ -7,7 +7,8 @@ index pinned by the signed manifest), so a server over plain HTTP can lie no mor
 a liar is still named and banned by the same check (peers/datafetch.py).
 
 - Server: a node that serves the dataset also listens for `GET /dilocod/data/<name>` (optionally with a
-  `Range: bytes=N-` or `bytes=N-M`) and answers with `sendfile`, under the same lookup, concurrency cap and
+  `Range: bytes=N-` or `bytes=N-M`) and answers with `sendfile` (piece by piece where the event loop has
+  none, as uvloop), under the same lookup, concurrency cap and
   bandwidth cap (token bucket) as its p2p transfers.
 - Advertised over p2p: the protocol BULK_PROTOCOL answers an empty request with a `dilocod.data.bulk`
   reply carrying only the port. The requester joins it to the IP of the libp2p connection it already has
@@ -39,7 +40,7 @@ log = logging.getLogger("peers.databulk")
 
 BULK_PROTOCOL = "/dilocod/data-bulk/1.0.0"
 ROUTE = "/dilocod/data/{name}"
-SEND_PIECE = 8 << 20  # bytes per sendfile call without a rate limit (a stop is seen between pieces)
+SEND_PIECE = 4 << 20  # bytes sent at a time without a rate limit (a stop is seen between pieces)
 SEND_TIMEOUT = 60.0  # seconds a requester may leave a piece unread before the server gives up on it
 ASK_TIMEOUT = 5.0  # seconds for the port's p2p request and for the TCP connect
 FAILED_SECONDS = 600.0  # a server whose bulk path failed is asked over p2p only, this long
@@ -78,6 +79,7 @@ class BulkServer:
         self.data = data
         self.port: int | None = None
         self.bytes_served = 0  # of the node's total (data.bytes_served), what went this way
+        self._sendfile = True  # the loop's sendfile until it says it has none
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -128,24 +130,35 @@ class BulkServer:
         if "Range" in request.headers:
             response.headers["Content-Range"] = f"bytes {offset}-{offset + count - 1}/{size}"
         await response.prepare(request)
-        await self._sendfile(request, file, offset, count)
-        await response.write_eof()
-        return response
-
-    async def _sendfile(self, request: web.Request, file: BinaryIO, offset: int, count: int) -> None:
-        loop = asyncio.get_running_loop()
-        transport = request.transport
         end = offset + count
         while offset < end and not self.data.stopped:
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the requester hung up")
             piece = await self.data.admit(min(end - offset, SEND_PIECE))
-            sent = await asyncio.wait_for(loop.sendfile(transport, file, offset, piece), SEND_TIMEOUT)
+            sent = await asyncio.wait_for(
+                self._send_piece(request, response, file, offset, piece), SEND_TIMEOUT
+            )
             if not sent:
-                return  # the file shrank under us: the requester sees a short body and moves on
+                break  # the file shrank under us: the requester sees a short body and moves on
             offset += sent
             self.bytes_served += sent
             self.data.bytes_served += sent
+        await response.write_eof()
+        return response
+
+    async def _send_piece(
+        self, request: web.Request, response: web.StreamResponse, file: BinaryIO, offset: int, count: int
+    ) -> int:
+        """Sends file bytes [offset, offset + count) to the requester; how many went (0: none left)."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the requester hung up")
+        if self._sendfile:
+            try:
+                return await asyncio.get_running_loop().sendfile(transport, file, offset, count)
+            except NotImplementedError:  # uvloop (what the daemon runs on) has no sendfile
+                self._sendfile = False
+        chunk = await asyncio.to_thread(os.pread, file.fileno(), count, offset)
+        await response.write(chunk)
+        return len(chunk)
 
     def _refuse(self, status: int, error: str) -> web.Response:
         self.data.refused += 1

@@ -270,4 +270,10 @@ async def serve_dataset(
 def served_status(server: DataServer | None) -> dict[str, Any] | None:
     if server is None:
         return None
-    return {"bytes_served": server.bytes_served, "requests": server.requests}
+    bulk = server.bulk
+    return {
+        "bytes_served": server.bytes_served,
+        "requests": server.requests,
+        "http_port": bulk.port if bulk is not None else None,  # None: p2p only
+        "bytes_served_http": bulk.bytes_served if bulk is not None else 0,  # of bytes_served
+    }
