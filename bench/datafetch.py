@@ -1,16 +1,18 @@
 """A dataset file's download (peers/datafetch.py), over HTTP and over p2p, vs a plain TCP copy of the same bytes.
 
     .venv/bin/python bench/datafetch.py [--mb 200] [--repeat 3] [--piece-kib 1024] [--dir /dev/shm]
+                                        [--loop uvloop|asyncio]
 
 `--dir` holds the source and the downloaded copies (default: the system's temp dir); /dev/shm takes the
-disk out of both sides, so what is left is the transport.
+disk out of both sides, so what is left is the transport. `--loop`: the event loop of both ends (default
+uvloop, which the daemon runs on; it has no sendfile, so the HTTP server sends piece by piece there).
 
 One server p2pd and one client p2pd in this process (as a node runs them: each daemon is a child process,
 the Python side talks to it over a unix socket). Each repeat times, side by side:
 - `http`: fetch_file as a joiner runs it (the server's HTTP path, peers/databulk.py: its port asked over p2p,
   then a Range GET answered with sendfile; write to <dest>.part, sha256 as bytes come, rename);
 - `p2p`: fetch_file over the p2p data protocol only (what a server without a reachable HTTP port gives);
-- `tcp`: an asyncio TCP server that `sendfile`s the same file, a client that writes it to disk;
+- `tcp`: a plain socket that `sendfile`s the same file, an asyncio client that writes it to disk;
 - `tcp+sha`: the same with the client hashing as it writes (the work fetch_file does besides the transport).
 The ratios are http ÷ tcp and p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and their medians.
 
@@ -24,14 +26,17 @@ import argparse
 import asyncio
 import hashlib
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import uvloop
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -85,13 +90,18 @@ async def fetch(
 
 
 async def tcp_copy(source: Path, dest: Path, *, hash_too: bool) -> float:
-    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with open(source, "rb") as f:
-            await asyncio.get_running_loop().sendfile(writer.transport, f)
-        writer.close()
+    # The sender is a plain blocking socket on a thread (socket.sendfile), whatever the event loop: uvloop
+    # has no loop.sendfile.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
 
-    tcp = await asyncio.start_server(send, "127.0.0.1", 0)
-    port = tcp.sockets[0].getsockname()[1]
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn, open(source, "rb") as f:
+            conn.sendfile(f)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     digest = hashlib.sha256()
     began = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -102,7 +112,8 @@ async def tcp_copy(source: Path, dest: Path, *, hash_too: bool) -> float:
                 digest.update(chunk)
     took = time.perf_counter() - began
     writer.close()
-    tcp.close()
+    sender.join()
+    listener.close()
     assert dest.stat().st_size == source.stat().st_size
     return took
 
@@ -155,5 +166,13 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--piece-kib", type=int, default=1024)
     parser.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="the event loop (the daemon runs uvloop)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.mb, args.repeat, args.piece_kib * 1024, args.dir))
+    run = uvloop.run if args.loop == "uvloop" else asyncio.run
+    print(f"{args.loop} event loop")
+    run(main(args.mb, args.repeat, args.piece_kib * 1024, args.dir))
