@@ -1,16 +1,20 @@
-"""Dataset-file download over p2p (peers/datashare.py) vs a plain TCP copy of the same bytes, on loopback.
+"""A dataset file's download (peers/datafetch.py), over HTTP and over p2p, vs a plain TCP copy of the same bytes.
 
     .venv/bin/python bench/datafetch.py [--mb 200] [--repeat 3] [--piece-kib 1024] [--dir /dev/shm]
+                                        [--loop uvloop|asyncio]
 
 `--dir` holds the source and the downloaded copies (default: the system's temp dir); /dev/shm takes the
-disk out of both sides, so what is left is the transport.
+disk out of both sides, so what is left is the transport. `--loop`: the event loop of both ends (default
+uvloop, which the daemon runs on; it has no sendfile, so the HTTP server sends piece by piece there).
 
 One server p2pd and one client p2pd in this process (as a node runs them: each daemon is a child process,
 the Python side talks to it over a unix socket). Each repeat times, side by side:
-- `p2p`: fetch_file end to end (request, stream, write to <dest>.part, sha256 as bytes come, rename);
-- `tcp`: an asyncio TCP server that `sendfile`s the same file, a client that writes it to disk;
+- `http`: fetch_file as a joiner runs it (the server's HTTP path, peers/databulk.py: its port asked over p2p,
+  then a Range GET answered with sendfile; write to <dest>.part, sha256 as bytes come, rename);
+- `p2p`: fetch_file over the p2p data protocol only (what a server without a reachable HTTP port gives);
+- `tcp`: a plain socket that `sendfile`s the same file, an asyncio client that writes it to disk;
 - `tcp+sha`: the same with the client hashing as it writes (the work fetch_file does besides the transport).
-The ratio is p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and the median.
+The ratios are http ÷ tcp and p2p ÷ tcp MB/s (goal ≥ 0.8), per repeat, and their medians.
 
 Each path's CPU seconds per GB are printed too (this process, and for p2p both p2pd daemons, from
 /proc): on a loaded machine the wall-clock ratio is noise, the CPU cost is not.
@@ -22,17 +26,21 @@ import argparse
 import asyncio
 import hashlib
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import uvloop
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
+from peers.databulk import BulkRoutes
 from peers.datafetch import fetch_file, file_matches
 from peers.datashare import serve_data
 
@@ -69,23 +77,31 @@ async def start_p2p() -> P2P:
     )
 
 
-async def p2p_fetch(client: P2P, server: P2P, size: int, sha: str, dest: Path) -> float:
+async def fetch(
+    client: P2P, server: P2P, size: int, sha: str, dest: Path, routes: BulkRoutes | None
+) -> float:
     dest.unlink(missing_ok=True)
     began = time.perf_counter()
-    await fetch_file(client, [server.peer_id], NAME, size, sha, dest)
+    result = await fetch_file(client, [server.peer_id], NAME, size, sha, dest, routes=routes)
+    assert result.received == size and not result.failed
     took = time.perf_counter() - began
     assert file_matches(dest, size, sha)
     return took
 
 
 async def tcp_copy(source: Path, dest: Path, *, hash_too: bool) -> float:
-    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with open(source, "rb") as f:
-            await asyncio.get_running_loop().sendfile(writer.transport, f)
-        writer.close()
+    # The sender is a plain blocking socket on a thread (socket.sendfile), whatever the event loop: uvloop
+    # has no loop.sendfile.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
 
-    tcp = await asyncio.start_server(send, "127.0.0.1", 0)
-    port = tcp.sockets[0].getsockname()[1]
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn, open(source, "rb") as f:
+            conn.sendfile(f)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     digest = hashlib.sha256()
     began = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -96,7 +112,8 @@ async def tcp_copy(source: Path, dest: Path, *, hash_too: bool) -> float:
                 digest.update(chunk)
     took = time.perf_counter() - began
     writer.close()
-    tcp.close()
+    sender.join()
+    listener.close()
     assert dest.stat().st_size == source.stat().st_size
     return took
 
@@ -111,25 +128,34 @@ async def main(mb: int, repeat: int, piece: int, where: str | None) -> None:
             own = Multiaddr(f"/p2p/{server.peer_id}")
             maddrs = [m.decapsulate(own) for m in await server.get_visible_maddrs()]
             await client._client.connect(server.peer_id, maddrs)
-            await serve_data(server, lambda name: source if name == NAME else None, piece_size=piece)
+            resolve = lambda name: source if name == NAME else None  # noqa: E731
+            data = await serve_data(server, resolve, piece_size=piece, bulk_host="127.0.0.1", bulk_port=0)
+            assert data.bulk is not None, "the HTTP path did not start"
+            routes = BulkRoutes(client)
             daemons = [p._child.pid for p in (server, client) if p._child is not None]
-            ratios = []
+            ratios: dict[str, list[float]] = {"http": [], "p2p": []}
             for i in range(repeat):
                 cpu = [cpu_seconds(daemons)]
-                p2p = await p2p_fetch(client, server, size, sha, dest)
+                http = await fetch(client, server, size, sha, dest, routes)
+                cpu.append(cpu_seconds(daemons))
+                p2p = await fetch(client, server, size, sha, dest, None)
                 cpu.append(cpu_seconds(daemons))
                 tcp = await tcp_copy(source, dest, hash_too=False)
                 cpu.append(cpu_seconds(daemons))
                 tcp_sha = await tcp_copy(source, dest, hash_too=True)
                 cpu.append(cpu_seconds(daemons))
-                per_gb = [(b - a) * 1000 / mb for a, b in zip(cpu, cpu[1:])]
-                ratios.append(tcp / p2p)
+                gb = [(b - a) * 1000 / mb for a, b in zip(cpu, cpu[1:])]
+                ratios["http"].append(tcp / http)
+                ratios["p2p"].append(tcp / p2p)
                 print(
-                    f"run {i + 1}: p2p {mb / p2p:6.1f} MB/s ({per_gb[0]:4.1f} CPU s/GB)   "
-                    f"tcp {mb / tcp:6.1f} MB/s ({per_gb[1]:4.1f})   tcp+sha {mb / tcp_sha:6.1f} MB/s ({per_gb[2]:4.1f})   "
-                    f"p2p/tcp {tcp / p2p:.2f}   p2p/(tcp+sha) {tcp_sha / p2p:.2f}"
+                    f"run {i + 1}: http {mb / http:6.1f} MB/s ({gb[0]:4.1f} CPU s/GB)   "
+                    f"p2p {mb / p2p:6.1f} ({gb[1]:4.1f})   tcp {mb / tcp:6.1f} ({gb[2]:4.1f})   "
+                    f"tcp+sha {mb / tcp_sha:6.1f} ({gb[3]:4.1f})   http/tcp {tcp / http:.2f}   p2p/tcp {tcp / p2p:.2f}"
                 )
-            print(f"median p2p/tcp ratio over {repeat} runs of {mb} MB: {statistics.median(ratios):.2f}")
+            for path, values in ratios.items():
+                print(
+                    f"median {path}/tcp ratio over {repeat} runs of {mb} MB: {statistics.median(values):.2f}"
+                )
         finally:
             await asyncio.gather(server.shutdown(), client.shutdown())
 
@@ -140,5 +166,13 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--piece-kib", type=int, default=1024)
     parser.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="the event loop (the daemon runs uvloop)",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.mb, args.repeat, args.piece_kib * 1024, args.dir))
+    run = uvloop.run if args.loop == "uvloop" else asyncio.run
+    print(f"{args.loop} event loop")
+    run(main(args.mb, args.repeat, args.piece_kib * 1024, args.dir))

@@ -10,6 +10,11 @@ recorded with the server that sent it. On a mismatch:
   good file arrived, each server's run in the suspect file is compared with the good bytes at the same
   place: whoever sent different bytes is bad too.
 A bad server is not asked again in this call; nor is one that failed (error, refusal, timeout, stall).
+
+Given `routes` (peers/databulk.py), each server is asked over its HTTP path first, when it has one: the
+same bytes, cheaper per byte. When that path fails (refused, cut, firewalled), the download goes on over
+p2p from the bytes held, and that server's HTTP path is left alone for a while. Bytes that came over HTTP
+count as their server's, like any others: a mismatch bans it the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import hashlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,7 @@ from typing import BinaryIO
 
 from hivemind.p2p import P2P, PeerID
 
+from peers.databulk import BulkRoutes, bulk_chunks
 from peers.datashare import DATA_PROTOCOL, LEN, DataFetchError, frame
 from proto.data import (
     DATA_REPLY,
@@ -170,10 +176,12 @@ async def fetch_file(
     *,
     progress: Callable[[int], None] | None = None,
     timeout: float = FETCH_TIMEOUT,
+    routes: BulkRoutes | None = None,
 ) -> FetchResult:
     """Downloads `name` into `dest` from the first of `servers` (in order) that can deliver it, resuming
     `<dest>.part` and moving on to the next server (keeping the bytes) when one fails, stalls `timeout` s
     or refuses. `progress(bytes held)` is called as bytes arrive. The servers must be dialable by this p2pd.
+    `routes`: try each server's HTTP path first (None: p2p only).
     Raises DataFetchError (one line) when none delivers a file of this sha256, ValueError for a bad name."""
     if (problem := name_problem(name)) is not None:
         raise ValueError(f"dataset file name {name!r}: {problem}")
@@ -182,7 +190,7 @@ async def fetch_file(
         return FetchResult(dest, None, 0)
     part = await asyncio.to_thread(_Part, dest.with_name(dest.name + ".part"), size)
     try:
-        return await _Fetch(p2p, name, sha256, dest, part, progress, timeout).run(servers)
+        return await _Fetch(p2p, name, sha256, dest, part, progress, timeout, routes).run(servers)
     finally:
         await part.aclose()
 
@@ -222,6 +230,7 @@ class _Fetch:
     part: _Part
     progress: Callable[[int], None] | None
     timeout: float
+    routes: BulkRoutes | None
     received: int = 0
     bad: list[PeerID] = field(default_factory=list)
     failed: dict[PeerID, str] = field(default_factory=dict)
@@ -251,7 +260,8 @@ class _Fetch:
 
     async def _try(self, peer: PeerID) -> None:
         try:
-            await self._download(peer)
+            if not await self._bulk(peer):
+                await self._download(peer)
         except DataFetchError:
             raise
         except _Lied as e:  # caught in its header, before it sent a byte
@@ -307,6 +317,22 @@ class _Fetch:
             self.bad.append(peer)
         self.failed.pop(peer, None)
 
+    async def _bulk(self, peer: PeerID) -> bool:
+        """Tries `peer`'s HTTP path; True when every byte asked came that way. Its failure is not the
+        server's fault as far as we know (a firewall, a cut): p2p goes on from the bytes held."""
+        if self.routes is None or (url := await self.routes.url(peer)) is None:
+            return False
+        offset, size = self.part.held, self.part.size
+        try:
+            await self._take(bulk_chunks(url, self.name, offset, size - offset, self.timeout), peer)
+        except DataFetchError:
+            raise
+        except Exception as e:
+            self.routes.failed(peer)
+            log.info("data: %s from %s over HTTP failed (%s): over p2p", self.name, peer, _one_line(e))
+            return False
+        return True
+
     async def _download(self, peer: PeerID) -> None:
         offset, size = self.part.held, self.part.size
         _, reader, writer = await asyncio.wait_for(
@@ -317,7 +343,7 @@ class _Fetch:
             writer.write(frame(encode_data_request(request)))
             await asyncio.wait_for(writer.drain(), self.timeout)
             length = await self._read_header(reader, offset)
-            await self._receive(reader, peer, length)
+            await self._take(self._receive(reader, length), peer)
         finally:
             writer.close()
 
@@ -338,9 +364,18 @@ class _Fetch:
             raise _Failed(f"it offers {reply['length']} of the {size - offset} bytes asked")
         return int(reply["length"])
 
-    async def _receive(self, reader: asyncio.StreamReader, peer: PeerID, length: int) -> None:
+    async def _take(self, chunks: AsyncGenerator[bytes], peer: PeerID) -> None:
+        """Appends what `chunks` yields to the part, as `peer`'s bytes (closing it however this ends)."""
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                await self.part.append(chunk, peer)
+                self.received += len(chunk)
+                if self.progress is not None:
+                    self.progress(self.part.held)
+
+    async def _receive(self, reader: asyncio.StreamReader, length: int) -> AsyncGenerator[bytes]:
         # One deadline rescheduled per read (not a wait_for, which makes a task per read): it covers the
-        # wait for the server's next bytes only, never our own disk.
+        # wait for the server's next bytes only, never our own disk (the deadline is off while we yield).
         loop = asyncio.get_running_loop()
         left = length
         try:
@@ -351,11 +386,8 @@ class _Fetch:
                     deadline.reschedule(None)
                     if not chunk:
                         raise _Failed(f"the stream ended {left} bytes short")
-                    await self.part.append(chunk, peer)
                     left -= len(chunk)
-                    self.received += len(chunk)
-                    if self.progress is not None:
-                        self.progress(self.part.held)
+                    yield chunk
         except TimeoutError:
             raise _Failed(f"stalled: no bytes for {self.timeout:g} s") from None
 

@@ -10,7 +10,8 @@ Wire (protocol DATA_PROTOCOL, one request per stream): the requester sends a 4-b
 a `dilocod.data.request`; the server answers a 4-byte length and a `dilocod.data.reply` header, then
 exactly `length` raw bytes of the file from the offset asked, and closes. See docs/protocol.md.
 
-The client side is peers/datafetch.py.
+The client side is peers/datafetch.py. With `bulk_port` set, the node also serves the same files over plain
+HTTP (peers/databulk.py), under the same caps and counters.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, BinaryIO
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from peers.databulk import BulkServer, serve_bulk_port
 from peers.errors import PeersError
 from proto import ProtoError
 from proto.data import (
@@ -88,8 +90,9 @@ class DataServer:
     requests: int = 0
     refused: int = 0  # requests answered with an error (bad, not found, busy)
     active: int = 0
+    stopped: bool = False
+    bulk: BulkServer | None = None  # the HTTP path (peers/databulk.py), when this node runs one
     _bucket: TokenBucket | None = None
-    _stopped: bool = False
 
     @property
     def rate_limit(self) -> float | None:
@@ -101,16 +104,28 @@ class DataServer:
 
     async def stop(self) -> None:
         """No new requests; transfers in flight end at their next piece."""
-        self._stopped = True
+        self.stopped = True
         with contextlib.suppress(Exception):
             await self.p2p.remove_binary_stream_handler(DATA_PROTOCOL)
+        if self.bulk is not None:
+            await self.bulk.stop()
+
+    async def admit(self, want: int) -> int:
+        """How many of `want` bytes a transfer sends now, after waiting for the bandwidth cap (shared by every
+        transfer of this node, p2p and HTTP)."""
+        bucket = self._bucket
+        if bucket is None:
+            return want
+        piece = min(want, max(MIN_PIECE, min(self.piece_size, int(bucket.rate / 8))))
+        await bucket.take(piece)
+        return piece
 
     async def handle(
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.requests += 1
         try:
-            if self._stopped or self.active >= self.max_concurrent:
+            if self.stopped or self.active >= self.max_concurrent:
                 await self._refuse(writer, "busy")
                 return
             self.active += 1
@@ -130,7 +145,7 @@ class DataServer:
             await self._refuse(writer, f"bad request: {e}")
             return
         name, offset, length = request["name"], request["offset"], request["length"]
-        path = self._lookup(name)
+        path = self.lookup(name)
         if path is None:
             await self._refuse(writer, "not found")
             return
@@ -148,7 +163,7 @@ class DataServer:
             writer.write(frame(encode_data_reply({"size": size, "length": count})))
             await self._stream(file, offset, count, writer)
 
-    def _lookup(self, name: str) -> Path | None:
+    def lookup(self, name: str) -> Path | None:
         try:
             return self.resolve(name)
         except Exception as e:  # the caller's lookup failing is "not served", not a crash
@@ -159,11 +174,8 @@ class DataServer:
         # Read piece by piece, off the event loop (a cold disk must not stall the node's other work).
         file.seek(offset)
         left = count
-        while left > 0 and not self._stopped:
-            bucket = self._bucket
-            piece = min(self._piece_size(bucket), left)
-            if bucket is not None:
-                await bucket.take(piece)
+        while left > 0 and not self.stopped:
+            piece = await self.admit(min(self.piece_size, left))
             chunk = await asyncio.to_thread(file.read, piece)
             if not chunk:
                 return  # the file shrank under us: the requester sees a short stream and moves on
@@ -171,11 +183,6 @@ class DataServer:
             await asyncio.wait_for(writer.drain(), SEND_TIMEOUT)
             left -= len(chunk)
             self.bytes_served += len(chunk)
-
-    def _piece_size(self, bucket: TokenBucket | None) -> int:
-        if bucket is None:
-            return self.piece_size
-        return max(MIN_PIECE, min(self.piece_size, int(bucket.rate / 8)))
 
     async def _refuse(self, writer: asyncio.StreamWriter, error: str) -> None:
         self.refused += 1
@@ -191,12 +198,26 @@ async def serve_data(
     rate_limit: float | None = None,
     piece_size: int = PIECE_SIZE,
     max_concurrent: int = MAX_CONCURRENT,
+    bulk_host: str = "0.0.0.0",
+    bulk_port: int | None = None,
 ) -> DataServer:
     """Answer dataset-file requests on this p2pd: `resolve(name)` gives the local file for a name (None:
-    not served; it only ever sees names without "/" or ".."). `rate_limit`: bytes/s in total, None = no cap."""
+    not served; it only ever sees names without "/" or ".."). `rate_limit`: bytes/s in total, None = no cap.
+    `bulk_port`: also serve them over HTTP on `bulk_host`:`bulk_port` (0: a free port; None: no HTTP path),
+    advertised on this p2pd. A port that cannot be bound leaves the p2p path alone, with a warning."""
     server = DataServer(p2p, resolve, piece_size=piece_size, max_concurrent=max_concurrent)
     server.set_rate_limit(rate_limit)
     await p2p.add_binary_stream_handler(DATA_PROTOCOL, server.handle)
+    if bulk_port is not None:
+        bulk = BulkServer(server)
+        try:
+            port = await bulk.start(bulk_host, bulk_port)
+        except OSError as e:
+            log.warning("not serving dataset files over HTTP on %s:%d: %s", bulk_host, bulk_port, e)
+            await bulk.stop()
+        else:
+            server.bulk = bulk
+            await serve_bulk_port(p2p, port)
     return server
 
 

@@ -226,10 +226,21 @@ class Node:
         await runinfo.serve_manifest(await self.started.replicate_p2p(), provider)
 
     async def serve_data(
-        self, resolve: Callable[[str], Path | None], *, rate_limit: float | None = None
+        self,
+        resolve: Callable[[str], Path | None],
+        *,
+        rate_limit: float | None = None,
+        bulk_port: int | None = None,
     ) -> datashare.DataServer:
-        """Serve dataset files to peers that ask (peers/datashare.py); `resolve` maps a name to our copy."""
-        return await datashare.serve_data(await self.started.replicate_p2p(), resolve, rate_limit=rate_limit)
+        """Serve dataset files to peers that ask (peers/datashare.py); `resolve` maps a name to our copy.
+        `bulk_port`: also over HTTP on our listening host (peers/databulk.py; 0: a free port, None: not)."""
+        return await datashare.serve_data(
+            await self.started.replicate_p2p(),
+            resolve,
+            rate_limit=rate_limit,
+            bulk_host=self.options.host,
+            bulk_port=bulk_port,
+        )
 
     async def serve_state(self, provider: stateshare.StateProvider) -> stateshare.StateServer:
         """Serve our state in parts to the run's members that re-sync (peers/stateshare.py)."""

@@ -4,10 +4,13 @@ Imports only the standard library and msgpack, so any component (or a third-part
 """
 
 from proto.data import (
+    BULK_REPLY,
     DATA_REPLY,
     DATA_REQUEST,
+    decode_bulk_reply,
     decode_data_reply,
     decode_data_request,
+    encode_bulk_reply,
     encode_data_reply,
     encode_data_request,
 )
@@ -39,6 +42,7 @@ from proto.state import (
 )
 
 __all__ = [
+    "BULK_REPLY",
     "DATA_REPLY",
     "DATA_REQUEST",
     "MANIFEST",
@@ -52,6 +56,7 @@ __all__ = [
     "ProtoError",
     "Schema",
     "decode",
+    "decode_bulk_reply",
     "decode_data_reply",
     "decode_data_request",
     "decode_manifest",
@@ -62,6 +67,7 @@ __all__ = [
     "decode_status",
     "decode_ticket",
     "encode",
+    "encode_bulk_reply",
     "encode_data_reply",
     "encode_data_request",
     "encode_manifest",

@@ -1,4 +1,5 @@
-"""The headers of the dataset-file protocol (`/dilocod/data/1.0.0`, peers/datashare.py).
+"""The headers of the dataset-file protocol (`/dilocod/data/1.0.0`, peers/datashare.py), and the reply that
+advertises a node's HTTP path for the same files (`/dilocod/data-bulk/1.0.0`, peers/databulk.py).
 
 A request names one file of the run's prepared dataset and a byte range; the reply header says how large
 the file is and how many raw bytes follow it, or why none do. The bytes themselves are not msgpack: they
@@ -55,6 +56,20 @@ DATA_REPLY = Schema(
 """
 
 
+BULK_REPLY = Schema(
+    name="dilocod.data.bulk",
+    version=1,
+    max_bytes=64,
+    fields=(Field("port", "int", optional=True, min=1, max=65535),),
+)
+"""A node's answer on `/dilocod/data-bulk/1.0.0` (to an empty request): the TCP port where it serves the same
+dataset files over plain HTTP (peers/databulk.py).
+
+- port (optional): the port; absent: no HTTP path. The requester joins it to the IP of its libp2p connection
+  to this node: a node names no host, so it cannot send joiners to another machine.
+"""
+
+
 def name_problem(name: str) -> str | None:
     """Why `name` cannot be a dataset file name, or None. Shared by both sides so a client never asks for
     what a server would refuse, and a server never hands a path-like name to its lookup."""
@@ -87,6 +102,14 @@ def decode_data_reply(data: bytes) -> dict[str, Any]:
     record = decode(DATA_REPLY, data)
     _check_reply(record)
     return record
+
+
+def encode_bulk_reply(record: Mapping[str, Any]) -> bytes:
+    return encode(BULK_REPLY, record)
+
+
+def decode_bulk_reply(data: bytes) -> dict[str, Any]:
+    return decode(BULK_REPLY, data)
 
 
 def _check_name(name: object) -> None:

@@ -70,7 +70,9 @@ def test_a_bare_joiner_fetches_the_runs_bpe_dataset_and_trains(tmp_path: Path, d
         hashes = round_hashes(statuses)
         assert all(len(found) == 1 for found in hashes.values()), hashes
         up_front = sum(f.bytes for f in index.eval.shards)
-        assert s.bootstrap.status()["data_served"]["bytes_served"] >= 2 * up_front
+        served = s.bootstrap.status()["data_served"]
+        assert served["bytes_served"] >= 2 * up_front
+        assert served["http_port"] and served["bytes_served_http"] >= up_front  # the HTTP path, on loopback
         assert "fetched the run's dataset" in bare.output()
     finally:
         s.close()

@@ -38,6 +38,9 @@ class DataConfig:
     serve_bandwidth: float = (
         0.0  # Mbit/s this node serves dataset files to other peers with at most (0: no cap)
     )
+    # the TCP port this node also serves dataset files on over plain HTTP, cheaper per byte than p2p (0: any
+    # free port; -1: none); a joiner that cannot reach it (NAT, firewall) fetches over p2p
+    bulk_port: int = 0
     # The coordinator's (bootstrap's): tokens per chunk of the run's chunk schedule (each trained once an
     # epoch); 0: no schedule (every peer samples random windows of its part of the split)
     chunk_tokens: int = 1 << 20
@@ -69,6 +72,10 @@ class DataConfig:
             )
         if not (math.isfinite(self.lease_seconds) and self.lease_seconds > 0):
             raise ValueError(f"data.lease_seconds must be > 0, got {self.lease_seconds}")
+        if not -1 <= self.bulk_port <= 65535:
+            raise ValueError(
+                f"data.bulk_port must be a port, 0 (any free port) or -1 (none), got {self.bulk_port}"
+            )
         if not (math.isfinite(self.serve_bandwidth) and self.serve_bandwidth >= 0):
             raise ValueError(
                 f"data.serve_bandwidth must be >= 0 (Mbit/s; 0 = no cap), got {self.serve_bandwidth}"

@@ -32,7 +32,7 @@ LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("key",),
     "model": ("init_from",),
     "data": ("source", "tokenizer", "text_field", "eval_fraction", "max_bytes", "path", "serve_bandwidth",
-             "chunk_tokens", "lease_seconds"),
+             "bulk_port", "chunk_tokens", "lease_seconds"),
     "trainer": (
         "eval_every", "eval_batches", "device", "threads", "devices", "compile", "activation_checkpointing",
         "peak_flops", "micro_batch_size", "sample_every",

@@ -123,6 +123,8 @@ class BootstrapDaemon:
         finally:
             if self.http is not None:
                 await self.http.stop()
+            if self.data_server is not None:  # its HTTP listener; the p2p side goes with the node
+                await self.data_server.stop()
             if self.aux is not None:
                 await loop.run_in_executor(None, self.aux.stop)
             if self.relay is not None:

@@ -30,6 +30,7 @@ from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, ShardI
 from dilocod.manifest.obtain import Joined
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
+from peers.databulk import BulkRoutes
 from peers.datafetch import FetchResult, fetch_file, remote_size
 from peers.datashare import DataFetchError, DataServer
 from peers.node import Node
@@ -114,6 +115,7 @@ class Fetcher:
     ) -> None:
         self.p2p, self.servers, self.dest = p2p, servers, dest
         self.state, self.metrics, self.ban = state, metrics, ban
+        self.routes = BulkRoutes(p2p)  # each server's HTTP path, when it has one we can reach
         self.done_bytes = self.total_bytes = 0
         self._last_log = 0.0
 
@@ -175,7 +177,14 @@ class Fetcher:
     ) -> None:
         try:
             result = await fetch_file(
-                self.p2p, servers or self.servers, name, size, sha256, self.dest / name, progress=progress
+                self.p2p,
+                servers or self.servers,
+                name,
+                size,
+                sha256,
+                self.dest / name,
+                progress=progress,
+                routes=self.routes,
             )
         except DataFetchError as e:
             raise DataError(str(e)) from None
@@ -250,13 +259,21 @@ async def serve_dataset(
         return path if (name in names or name in extras) and path.is_file() else None
 
     rate = cfg.data.serve_bandwidth * 1e6 / 8 if cfg.data.serve_bandwidth > 0 else None
-    server = await node.serve_data(resolve, rate_limit=rate)
-    log.info("serving the run's dataset %s from %s%s", index.hash[:12], directory,
-             f" at most {cfg.data.serve_bandwidth:g} Mbit/s" if rate else "")  # fmt: skip
+    bulk_port = cfg.data.bulk_port if cfg.data.bulk_port >= 0 else None
+    server = await node.serve_data(resolve, rate_limit=rate, bulk_port=bulk_port)
+    http = f", over HTTP on port {server.bulk.port} too" if server.bulk is not None else ""
+    log.info("serving the run's dataset %s from %s%s%s", index.hash[:12], directory,
+             f" at most {cfg.data.serve_bandwidth:g} Mbit/s" if rate else "", http)  # fmt: skip
     return server
 
 
 def served_status(server: DataServer | None) -> dict[str, Any] | None:
     if server is None:
         return None
-    return {"bytes_served": server.bytes_served, "requests": server.requests}
+    bulk = server.bulk
+    return {
+        "bytes_served": server.bytes_served,
+        "requests": server.requests,
+        "http_port": bulk.port if bulk is not None else None,  # None: p2p only
+        "bytes_served_http": bulk.bytes_served if bulk is not None else 0,  # of bytes_served
+    }

@@ -24,6 +24,7 @@ from dilocod.export.hf import WEIGHTS_FILE
 from dilocod.export.initial import file_sha256
 from dilocod.observability.metrics import Metrics
 from dilocod.processes.dataset import dial_all
+from peers.databulk import BulkRoutes
 from peers.datafetch import fetch_file, remote_size
 from peers.datashare import DataFetchError
 from peers.runinfo import start_client
@@ -91,6 +92,7 @@ async def _fetch(sha256: str, dest: Path, servers: Sequence[str], host: str, met
     p2p = await start_client(host)
     try:
         peers = await dial_all(p2p, servers)
+        routes = BulkRoutes(p2p)  # each server's HTTP path, when it has one we can reach
         problems = []
         for peer in peers:  # each server's size in turn: a lie about it only fails that server's hash
             try:
@@ -98,7 +100,7 @@ async def _fetch(sha256: str, dest: Path, servers: Sequence[str], host: str, met
                 log.info(
                     "fetching the run's starting weights %s (%.1f MB) from %s", sha256[:12], size / 1e6, peer
                 )
-                result = await fetch_file(p2p, [peer], INIT_NAME, size, sha256, dest)
+                result = await fetch_file(p2p, [peer], INIT_NAME, size, sha256, dest, routes=routes)
             except DataFetchError as e:
                 problems.append(str(e))
                 continue

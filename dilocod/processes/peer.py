@@ -334,6 +334,8 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         if self.http is not None:
             await self.http.stop()
+        if self.data_server is not None:  # its HTTP listener; the p2p side goes with the node
+            await self.data_server.stop()
         if self.network is not None:
             await loop.run_in_executor(None, self.network.group.stop)
             await loop.run_in_executor(None, self.network.node.stop)
