@@ -31,7 +31,7 @@ class ModelConfig:
     """`[model]`: the transformer's shapes."""
 
     # byte presets tiny (0.9M parameters) | small (20.7M) | 124m | 1b; for BPE runs llama-20m | llama-150m | llama-1b
-    preset: str = "tiny"  # (DEFAULT_PRESET)
+    preset: str = "tiny"
     # The vocabulary the embedding and the head are sized for: the run's tokenizer's, rounded up to a
     # multiple of 64 (set by the node that starts the run, from its dataset); 0 = the preset's own (256).
     vocab_size: int = 0
