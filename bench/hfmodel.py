@@ -1,7 +1,8 @@
 """dilocod's model against `transformers`' LlamaForCausalLM of the same shape: training tokens/s on CPU, side by side.
 
     .venv/bin/python bench/hfmodel.py [--presets tiny,llama-20m] [--batch 4] [--seq 256] [--steps 6]
-        [--repeats 3] [--threads 2] [--compile both|off|on] [--export llama-150m]
+        [--repeats 3] [--threads 2] [--compile both|off|on] [--export llama-150m] [--sample tiny]
+        [--trainer tiny,llama-20m [--trainer-compile]]
 
 Both models get the same weights (`export.hf.llama_tensors`; their logits are checked to agree first), the
 same batch, the same loss (cross-entropy on the logits, fp32) and AdamW, in one process with the same torch
@@ -10,6 +11,12 @@ where torch.compile compiles); the table gives each side's median tokens/s and t
 ratios ours ÷ HF's (> 1: ours is faster). `--export PRESET` times writing that preset's θ_global as a Hugging
 Face directory (`export.export.write_model` + tokenizer files) and gives its size; `--sample PRESETS` times
 one dashboard sample (48 greedy tokens, `trainer.sampling.Sampler`) of each against one train step.
+
+`--trainer PRESETS` measures what `model.hf_config` costs a peer: the trainer a peer's trainer thread runs
+(`InnerTrainer.train_steps`: its loss, optimizer, clipping and schedule) on dilocod's model of each preset,
+and on the `model.hf_config` model of a Llama config of the same shape (`HFCausalLM` around
+LlamaForCausalLM, built from the pinned JSON as a peer builds it), same batches and seed, alternating
+`--steps` steps of each per repeat; ratio = hf_config ÷ ours (< 1: the hf_config path is slower).
 """
 
 from __future__ import annotations
@@ -142,6 +149,47 @@ def sample_cost(preset: str, args: argparse.Namespace) -> dict[str, object]:
             "batch": [args.batch, args.seq]}  # fmt: skip
 
 
+def trainer_cost(preset: str, args: argparse.Namespace) -> dict[str, object]:
+    """Train tokens/s of `InnerTrainer` on the preset and on a `model.hf_config` Llama of its shape."""
+    from transformers import LlamaConfig
+
+    from dilocod.config import load_config
+    from dilocod.data.corpus import Corpus
+    from dilocod.trainer import InnerTrainer
+
+    spec = ModelConfig(preset).spec()
+    pinned = json.dumps(
+        LlamaConfig(**llama_config_dict(spec)).to_dict(), sort_keys=True, separators=(",", ":")
+    )
+    c = load_config(None, [f"trainer.batch_size={args.batch}", f"trainer.seq_len={args.seq}",
+                           f"trainer.threads={args.threads}", 'trainer.optimizer="adamw"',
+                           f"trainer.compile={'true' if args.trainer_compile else 'false'}"])  # fmt: skip
+    tokens = torch.randint(0, spec.vocab_size, (200_000,), generator=torch.Generator().manual_seed(0))
+    corpus = Corpus(train=tokens[:180_000], eval=tokens[180_000:], name="random")
+    trainers = {
+        "ours": InnerTrainer(ModelConfig(preset), c.data, c.trainer, seed=0, peer_key="p", corpus=corpus),
+        "hf_config": InnerTrainer(ModelConfig(hf_config_json=pinned), c.data, c.trainer, seed=0, peer_key="p",
+                                  corpus=corpus),
+    }  # fmt: skip
+    for trainer in trainers.values():
+        trainer.train_steps(args.warmup)
+    rates: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(args.repeats):
+        for name, trainer in trainers.items():
+            stats = trainer.train_steps(args.steps)
+            rates[name].append(stats.tokens / stats.seconds)
+    ratios = [a / b for a, b in zip(rates["hf_config"], rates["ours"])]
+    return {
+        "preset": preset, "params": count_params(trainers["ours"].model),
+        "hf_params": count_params(trainers["hf_config"].model), "compile": args.trainer_compile,
+        "ours_tokens_per_s": round(statistics.median(rates["ours"])),
+        "hf_config_tokens_per_s": round(statistics.median(rates["hf_config"])),
+        "ratio_hf_config_over_ours": round(statistics.median(ratios), 3), "ratios": [round(r, 3) for r in ratios],
+        "flops_per_token": [trainers["ours"].flops_per_token, trainers["hf_config"].flops_per_token],
+        "batch": [args.batch, args.seq],
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="tiny,llama-20m")
@@ -154,6 +202,12 @@ def main() -> None:
     parser.add_argument("--compile", choices=("both", "off", "on"), default="both")
     parser.add_argument("--export", default="", help="a preset to time the export of (e.g. llama-150m)")
     parser.add_argument("--sample", default="", help="presets to time one dashboard sample of (e.g. tiny)")
+    parser.add_argument(
+        "--trainer", default="", help="presets to time through InnerTrainer, ours vs hf_config"
+    )
+    parser.add_argument(
+        "--trainer-compile", action="store_true", help="with --trainer: trainer.compile = true"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     modes = {"both": [False, True], "off": [False], "on": [True]}[args.compile]
@@ -164,6 +218,8 @@ def main() -> None:
         print(json.dumps({"export": export_cost(args.export)}), flush=True)
     for preset in filter(None, args.sample.split(",")):
         print(json.dumps({"sample": sample_cost(preset, args)}), flush=True)
+    for preset in filter(None, args.trainer.split(",")):
+        print(json.dumps({"trainer": trainer_cost(preset, args)}), flush=True)
 
 
 if __name__ == "__main__":

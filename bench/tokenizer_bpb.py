@@ -176,7 +176,7 @@ def make_run(
     batches, targets, target_bytes, split_tokens = tiled_eval(corpus, per_token_bytes)
     trainer.eval_set = batches
     print(
-        f"{name}: vocab {vocab} (model {trainer.model.spec.vocab_size}), {len(corpus.train):,} train tokens; "
+        f"{name}: vocab {vocab} (model {trainer.model.shape.vocab_size}), {len(corpus.train):,} train tokens; "
         f"eval {len(batches)} batches = {targets:,} of the split's {split_tokens:,} tokens, {target_bytes:,} bytes "
         f"of text ({target_bytes / targets:.3f} bytes/token; corpus: {1 / corpus.eval_tokens_per_byte:.3f})"
     )

@@ -24,7 +24,9 @@ from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
 from dilocod.statesync.checkpoint import CheckpointConfig
 from dilocod.trainer.data import DataConfig
-from dilocod.trainer.model import PRESETS, ModelConfig, Transformer
+from dilocod.trainer.hfmodel import HFConfigError
+from dilocod.trainer.lm import lm_skeleton, model_name
+from dilocod.trainer.model import PRESETS, ModelConfig
 from dilocod.trainer.settings import TrainerConfig
 
 if TYPE_CHECKING:
@@ -230,21 +232,21 @@ class Config:
         """Fragments are whole parameter tensors. (Each takes its turn in a round of the run's clock that
         holds 1/fragments of the round's tokens, so H need not be a multiple of them.)"""
         fragments = self.outer.fragments
-        tensors = num_parameter_tensors(self.model.preset)
+        tensors = num_parameter_tensors(self.model)
         if fragments > tensors:
             raise ValueError(
-                f"outer.fragments must be <= the {tensors} parameter tensors of preset "
-                f"'{self.model.preset}', got {fragments}"
+                f"outer.fragments must be <= the {tensors} parameter tensors of the model "
+                f"({model_name(self.model)}), got {fragments}"
             )
 
 
-def num_parameter_tensors(preset: str) -> int:
-    """How many parameter tensors the preset's model has (built on the meta device: no memory; the
+def num_parameter_tensors(model: ModelConfig) -> int:
+    """How many parameter tensors the run's model has (built on the meta device: no memory; the
     vocabulary changes no tensor's existence)."""
-    import torch
-
-    with torch.device("meta"):
-        return len(list(Transformer(PRESETS[preset]).parameters()))
+    try:
+        return len(list(lm_skeleton(model).parameters()))
+    except HFConfigError as e:
+        raise ValueError(str(e)) from None
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dilocod.trainer.flops import PEAK_FLOPS, flops_per_token, known_peak_flops, mfu
-from dilocod.trainer.model import PRESETS, ModelConfig, build_model, count_params
+from dilocod.trainer.model import PRESETS, ModelConfig, build_model, count_params, shape_of
 
 
 def test_flops_per_token_by_hand_for_tiny() -> None:
@@ -14,18 +14,21 @@ def test_flops_per_token_by_hand_for_tiny() -> None:
     assert params == 918_656
     # 6 × (all parameters but the 256×128 input embedding) + 12 × layers × d_model × seq_len
     expected = 6 * (918_656 - 256 * 128) + 12 * 4 * 128 * 128
-    assert flops_per_token(spec, 128, params) == expected == 6_101_760
+    assert flops_per_token(shape_of(spec), 128, params) == expected == 6_101_760
 
 
 def test_a_tied_embedding_counts_as_the_head_matmul() -> None:
     spec = PRESETS["llama-20m"]
     params = count_params(build_model(ModelConfig("llama-20m"), seed=0))
-    assert flops_per_token(spec, 1024, params) == 6 * params + 12 * 6 * 384 * 1024
+    assert flops_per_token(shape_of(spec), 1024, params) == 6 * params + 12 * 6 * 384 * 1024
 
 
 def test_attention_term_grows_with_sequence_length() -> None:
     spec = PRESETS["1b"]
-    short, long = flops_per_token(spec, 1024, 1_028_737_024), flops_per_token(spec, 2048, 1_028_737_024)
+    short, long = (
+        flops_per_token(shape_of(spec), 1024, 1_028_737_024),
+        flops_per_token(shape_of(spec), 2048, 1_028_737_024),
+    )
     assert long - short == 12 * spec.n_layers * spec.d_model * 1024
     assert 6e9 < short < 7e9  # ≈ 6 × 1.03 B parameters
 

@@ -1,4 +1,5 @@
-"""`dilocod export`: a run's θ_global as a Hugging Face Llama directory (docs/model.md).
+"""`dilocod export`: a run's θ_global as a Hugging Face model directory (docs/model.md): a Llama for
+dilocod's own model, the pinned architecture for a `model.hf_config` run.
 
 The directory is written beside `out` under a temporary name and renamed into place when whole, so an
 interrupted export leaves no half model where tools would load it.
@@ -23,8 +24,10 @@ from dilocod import __version__
 from dilocod.data.tokenizer import eos_id
 from dilocod.export.errors import ExportError
 from dilocod.export.hf import WEIGHTS_FILE, to_llama
+from dilocod.export.hfexport import write_hf_model
 from dilocod.export.run import RunModel, read_run, run_tokenizer
 from dilocod.export.tokenizer import write_tokenizer
+from dilocod.trainer.lm import hf_config_sha256
 from dilocod.trainer.model import ModelSpec
 
 log = logging.getLogger("dilocod.export")
@@ -60,6 +63,15 @@ def staged(out: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_run_model(out: Path, run: RunModel, *, eos: int) -> None:
+    """The model files of `run`'s θ_global: a Llama for dilocod's own model, `save_pretrained`'s layout of
+    the pinned architecture for a `model.hf_config` run."""
+    if run.model.hf_config_json:
+        write_hf_model(out, run.params, run.model.hf_config_json, eos=eos)
+    else:
+        write_model(out, run.params, run.spec, eos=eos)
+
+
 def write_model(out: Path, params: Sequence[torch.Tensor], spec: ModelSpec, *, eos: int) -> None:
     """config.json, generation_config.json and model.safetensors of `params` as a Llama."""
     from safetensors.torch import save_file
@@ -90,7 +102,10 @@ def provenance(run: RunModel, tok: Tokenizer, tokenizer_raw: bytes) -> dict[str,
         "dataset": run.dataset,
         "tokenizer_sha256": hashlib.sha256(tokenizer_raw).hexdigest(),
         "tokenizer_vocab_size": tok.get_vocab_size(with_added_tokens=True),
-        "vocab_size": run.spec.vocab_size,
+        "vocab_size": run.shape.vocab_size,
+        # a model.hf_config run: the transformers family and the sha256 of the pinned config's canonical JSON
+        "hf_config_sha256": hf_config_sha256(run.model.hf_config_json) if run.model.hf_config_json else None,
+        "model_type": run.shape.family,
         "eos_token_id": eos_id(tok),
     }
 
@@ -102,15 +117,15 @@ def export_run(run_dir: Path, out: Path, *, data_path: Path | None = None) -> Pa
     run = read_run(run_dir)
     for note in run.notes:
         log.warning("%s; exporting %s instead", note, getattr(run.checkpoint, "name", "?"))
-    tok, raw = run_tokenizer(run_dir, run.spec, run.dataset, data_path)
+    tok, raw = run_tokenizer(run_dir, run.vocab_size, run.dataset, data_path)
     return write_export(out, run, tok, raw)
 
 
 def write_export(out: Path, run: RunModel, tok: Tokenizer, tokenizer_raw: bytes) -> Path:
     """The model directory of `run`'s θ_global with `tok`, its tokenizer, written whole into `out`."""
     with staged(out) as tmp:
-        write_model(tmp, run.params, run.spec, eos=eos_id(tok))
-        write_tokenizer(tok, tmp, max_len=run.spec.max_seq_len)
+        write_run_model(tmp, run, eos=eos_id(tok))
+        write_tokenizer(tok, tmp, max_len=run.shape.max_seq_len)
         text = json.dumps(provenance(run, tok, tokenizer_raw), indent=2, sort_keys=True) + "\n"
         (tmp / PROVENANCE_FILE).write_text(text, encoding="utf-8")
     return out

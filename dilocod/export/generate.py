@@ -1,7 +1,9 @@
 """`dilocod generate`: sample text from a run's θ_global or from an exported model.
 
 Both sources run on dilocod's own `Transformer` (an exported directory is read back with `from_llama`), so
-sampling needs neither `transformers` nor its import time, and a run and its export sample alike. No
+sampling needs neither `transformers` nor its import time, and a run and its export sample alike. A
+`model.hf_config` run, and an exported directory of another architecture, run on transformers' model of
+their config (`HFCausalLM`), through the same loop. No
 key/value cache: every new token runs the whole context (at most max_seq_len tokens) again, which is
 plenty for a look at what a run has learned; use transformers' `generate` on an export for more.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -17,22 +20,34 @@ from tokenizers import Tokenizer
 from dilocod.data.shards import TOKENIZER_FILE
 from dilocod.data.tokenizer import eos_id, load_tokenizer
 from dilocod.export.errors import ExportError
+from dilocod.export.export import PROVENANCE_FILE
 from dilocod.export.hf import CONFIG_FILE, from_llama, read_llama_dir
+from dilocod.export.hfexport import hf_model_of, load_hf_dir
 from dilocod.export.run import read_run, run_tokenizer
+from dilocod.trainer.lm import LanguageModel
 from dilocod.trainer.model import ModelSpec, Transformer
 
 
-def load_run(run_dir: Path, data_path: Path | None = None) -> tuple[Transformer, Tokenizer, int]:
+def load_run(run_dir: Path, data_path: Path | None = None) -> tuple[LanguageModel, Tokenizer, int]:
     """θ_global of a run dir as a model, with the run's tokenizer and end-of-document id."""
     run = read_run(run_dir)
-    tok, _ = run_tokenizer(run_dir, run.spec, run.dataset, data_path)
+    tok, _ = run_tokenizer(run_dir, run.vocab_size, run.dataset, data_path)
+    if run.model.hf_config_json:
+        return hf_model_of(run.params, run.model.hf_config_json), tok, eos_id(tok)
     return _model(run.spec, run.params), tok, eos_id(tok)
 
 
-def load_exported(model_dir: Path) -> tuple[Transformer, Tokenizer, int]:
-    """An exported (or any compatible Llama) directory as our model, with its tokenizer and EOS id."""
-    cfg, tensors = read_llama_dir(model_dir)
-    spec, params = from_llama((cfg, tensors))
+def load_exported(model_dir: Path) -> tuple[LanguageModel, Tokenizer, int]:
+    """An exported (or any compatible Llama) directory as our model, with its tokenizer and EOS id.
+    A directory of another architecture (a `model.hf_config` run's export) loads through transformers."""
+    model: LanguageModel
+    if _architecture(model_dir) != "llama":
+        model = load_hf_dir(model_dir)
+        cfg: dict[str, Any] = model.lm.config.to_dict()
+    else:
+        cfg, tensors = read_llama_dir(model_dir)
+        spec, params = from_llama((cfg, tensors))
+        model = _model(spec, params)
     tok = load_tokenizer(model_dir / TOKENIZER_FILE)
     try:
         tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -42,7 +57,23 @@ def load_exported(model_dir: Path) -> tuple[Transformer, Tokenizer, int]:
     tok.encode_special_tokens = bool(tok_cfg.get("split_special_tokens", False))
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    return _model(spec, params), tok, int(eos) if isinstance(eos, int) else eos_id(tok)
+    return model, tok, int(eos) if isinstance(eos, int) else eos_id(tok)
+
+
+def _architecture(model_dir: Path) -> str:
+    """Returns "llama" for what dilocod's own model reads (its exports, plain Llamas), else the model_type; an
+    export of a `model.hf_config` run (its dilocod.json names the config) always goes to transformers."""
+    try:
+        provenance = json.loads((model_dir / PROVENANCE_FILE).read_text(encoding="utf-8"))
+        if isinstance(provenance, dict) and provenance.get("hf_config_sha256"):
+            return str(provenance.get("model_type") or "hf")
+    except (OSError, ValueError):
+        pass
+    try:
+        config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "llama"  # read_llama_dir names what is wrong with it
+    return str(config.get("model_type", "llama")) if isinstance(config, dict) else "llama"
 
 
 def _model(spec: ModelSpec, params: list[torch.Tensor]) -> Transformer:
@@ -52,7 +83,7 @@ def _model(spec: ModelSpec, params: list[torch.Tensor]) -> Transformer:
 
 
 def sample(
-    model: Transformer, ids: list[int], max_new_tokens: int, *, temperature: float, top_k: int,
+    model: LanguageModel, ids: list[int], max_new_tokens: int, *, temperature: float, top_k: int,
     seed: int, eos: int, vocab: int,
 ) -> list[int]:  # fmt: skip
     """Up to `max_new_tokens` new ids after `ids`, stopping at `eos`; temperature 0 is greedy.
@@ -61,7 +92,7 @@ def sample(
     context, new = list(ids), []
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            window = torch.tensor([context[-model.spec.max_seq_len :]], dtype=torch.long)
+            window = torch.tensor([context[-model.shape.max_seq_len :]], dtype=torch.long)
             logits = model(window)[0, -1, :vocab].float()
             if temperature <= 0:
                 token = int(logits.argmax())
@@ -94,7 +125,7 @@ def generate(
     ids = tok.encode(prompt).ids or [eos]
     new = sample(
         model, ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, eos=eos,
-        vocab=min(tok.get_vocab_size(with_added_tokens=True), model.spec.vocab_size),
+        vocab=min(tok.get_vocab_size(with_added_tokens=True), model.shape.vocab_size),
     )  # fmt: skip
     # Decode prompt and continuation together: a byte-level token may complete a character the prompt began.
     whole = tok.decode(ids + new, skip_special_tokens=False) if prompt else tok.decode(new)

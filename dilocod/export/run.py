@@ -20,6 +20,7 @@ from dilocod.data.tokenizer import BYTE, load_tokenizer, tokenizer_json
 from dilocod.diloco.outer import global_sha256
 from dilocod.export.errors import ExportError
 from dilocod.export.hf import named_params
+from dilocod.export.hfexport import check_hf_params
 from dilocod.statesync.checkpoint import (
     FILENAME,
     PREVIOUS,
@@ -27,7 +28,9 @@ from dilocod.statesync.checkpoint import (
     UnreadableCheckpoint,
     read_checkpoint,
 )
+from dilocod.trainer.lm import lm_skeleton
 from dilocod.trainer.model import ModelConfig, ModelSpec
+from dilocod.trainer.shape import LMShape
 
 MANIFEST_FILE = "manifest.bin"  # dilocod.manifest.obtain.MANIFEST_FILE (that module pulls in the p2p stack)
 DATA_DIR = "data"  # a run's dataset copy when its config sets no data.path
@@ -40,8 +43,8 @@ class RunModel:
 
     run_id: str
     preset: str
-    spec: ModelSpec
-    params: list[torch.Tensor]  # θ_global, fp32, in the model's state_dict order
+    model: ModelConfig  # the run's model: its preset and vocabulary, or its pinned transformers config
+    params: list[torch.Tensor]  # θ_global, fp32, in the model's parameter order
     outer_step: int
     global_sha256: str
     tokens_trained: int | None
@@ -50,6 +53,39 @@ class RunModel:
     dataset: str | None  # the dataset's index hash (data.dataset), None for a run that set none
     notes: list[str] = field(default_factory=list)  # one line each, e.g. a damaged newest checkpoint
     swarm: dict[str, Any] | None = None  # taken from the swarm: from where, which donor, how many agreed
+
+    @property
+    def spec(self) -> ModelSpec:
+        """dilocod's own model's shapes (not for a `model.hf_config` run)."""
+        return self.model.spec()
+
+    @property
+    def shape(self) -> LMShape:
+        return lm_skeleton(self.model).shape
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the run's tokenizer may fill: the model's, or for a transformers model (whose
+        config may hold more rows) the run's model.vocab_size (its tokenizer's, rounded up to 64)."""
+        if self.model.hf_config_json and self.model.vocab_size:
+            return self.model.vocab_size
+        return self.shape.vocab_size
+
+
+def run_model_config(manifest: Any, preset: str) -> ModelConfig:
+    """The model a run's manifest names (a preset with its vocabulary, or a pinned transformers config)."""
+    return ModelConfig(
+        preset, int(manifest.value("model.vocab_size") or 0),
+        hf_config_json=str(manifest.value("model.hf_config_json") or ""),
+    )  # fmt: skip
+
+
+def check_params(params: list[torch.Tensor], model: ModelConfig) -> None:
+    """`params` must be θ_global of `model` (ExportError or ValueError naming the first mismatch)."""
+    if model.hf_config_json:
+        check_hf_params(params, model.hf_config_json)
+    else:
+        named_params(params, model.spec())
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any], list[str]]:
@@ -111,21 +147,21 @@ def read_run(run_dir: Path) -> RunModel:
             f"but {run_dir / MANIFEST_FILE} is run {manifest.run_id!r} ({manifest.value('model.preset')})"
         )
     try:
-        spec = ModelConfig(preset, int(manifest.value("model.vocab_size") or 0)).spec()
-        named_params(params, spec)  # the shapes, before anything is written
+        model = run_model_config(manifest, preset)
+        check_params(params, model)  # the shapes, before anything is written
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit its run's model: {e}") from None
     tokens = state.get("tokens")
     trained = tokens.get("trained") if isinstance(tokens, dict) else None
     return RunModel(
-        run_id=manifest.run_id, preset=preset, spec=spec, params=params, outer_step=step,
+        run_id=manifest.run_id, preset=preset, model=model, params=params, outer_step=step,
         global_sha256=sha, tokens_trained=None if trained is None else int(trained), checkpoint=path,
         manifest_hash=manifest.hash, dataset=manifest.value("data.dataset") or None, notes=notes,
     )  # fmt: skip
 
 
 def run_tokenizer(
-    run_dir: Path, spec: ModelSpec, dataset: str | None, data_path: Path | None = None
+    run_dir: Path, vocab_size: int, dataset: str | None, data_path: Path | None = None
 ) -> tuple[Tokenizer, bytes]:
     """The run's tokenizer and its exact JSON bytes: the dataset copy's (`data_path`, default
     <run dir>/data), checked against the run's dataset hash; the byte tokenizer for a 256-token run
@@ -133,7 +169,7 @@ def run_tokenizer(
     data = data_path if data_path is not None else run_dir / DATA_DIR
     file = data / TOKENIZER_FILE
     if not file.is_file():
-        if data_path is None and spec.vocab_size == BYTE_VOCAB:
+        if data_path is None and vocab_size == BYTE_VOCAB:
             return load_tokenizer(BYTE), tokenizer_json(BYTE)
         hint = "" if data_path is not None else "; pass --data-path with the run's dataset directory"
         raise ExportError(f"{file}: no such tokenizer file{hint}")
@@ -145,9 +181,9 @@ def run_tokenizer(
         if hashlib.sha256(raw).hexdigest() != index.tokenizer_sha256:
             raise ExportError(f"{file}: not the tokenizer its {INDEX_FILE} names")
     tok = load_tokenizer(file)
-    if tok.get_vocab_size(with_added_tokens=True) > spec.vocab_size:
+    if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise ExportError(
             f"{file}: {tok.get_vocab_size(with_added_tokens=True)} tokens do not fit the model's "
-            f"vocabulary of {spec.vocab_size}"
+            f"vocabulary of {vocab_size}"
         )
     return tok, raw

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 RUN_WIDE: dict[str, tuple[str, ...]] = {
     "run": ("id", "seed"),
-    "model": ("preset", "vocab_size", "init"),
+    "model": ("preset", "vocab_size", "init", "hf_config_json"),
     "data": ("dataset", "num_shards"),
     "trainer": (
         "inner_steps", "batch_size", "seq_len", "lr", "weight_decay", "warmup_steps", "total_steps",
@@ -30,7 +30,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
 
 LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("key",),
-    "model": ("init_from",),
+    "model": ("init_from", "hf_config"),
     "data": ("source", "tokenizer", "text_field", "eval_fraction", "max_bytes", "path", "serve_bandwidth",
              "bulk_port", "chunk_tokens", "lease_seconds"),
     "trainer": (

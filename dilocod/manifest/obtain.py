@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from dilocod.config import Config, ConfigError, config_from_raw
+from dilocod.data.shards import load_index
 from dilocod.manifest.adopt import adopt, conflicts, trust_problem
 from dilocod.manifest.pindata import pin_dataset
+from dilocod.manifest.pinhf import check_local_hf_config, pin_hf_config
 from dilocod.manifest.pininit import pin_init
 from dilocod.manifest.record import Manifest, ManifestError, decode, differing_keys, issue, summary
 from peers.auth import Identity, ensure_identity
@@ -133,13 +135,16 @@ async def manifest_for_peer(
             stored.hash[:12], manifest.hash[:12], ", ".join(differing_keys(stored, manifest)),
         )  # fmt: skip
     config = adopt(manifest, local_raw)
+    check_local_hf_config(config)
     store(final_dir, manifest)
     return Joined(config, manifest), final_dir
 
 
 def pin_run(config: Config) -> Config:
-    """A new run's config with its dataset and then its starting weights pinned (their hashes, not paths)."""
-    return pin_init(pin_dataset(config)[0])
+    """A new run's config with its dataset, then its model's transformers config (if any) and its starting
+    weights pinned (hashes and content, not paths)."""
+    config, directory = pin_dataset(config)
+    return pin_init(pin_hf_config(config, load_index(directory).vocab_size))
 
 
 def _identity(run_dir: Path) -> Identity:
@@ -170,6 +175,7 @@ async def manifest_for_bootstrap(
         where = f"the manifest in {run_dir}" if stored is not None else "the run's manifest"
         raise ConfigError(f"your settings differ from {where}:\n" + "\n".join(lines))
     config = adopt(manifest, local_raw)
+    check_local_hf_config(config)
     if run_dir is not None:
         store(run_dir, manifest)
     return Joined(config, manifest)

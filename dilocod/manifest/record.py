@@ -135,8 +135,9 @@ def summary(manifest: Manifest) -> str:
     """The run in one line: preset, H, codec, reducer, overlap, round tokens (and its starting weights)."""
     v = manifest.value
     tokens = v("round.tokens")
+    hf = v("model.hf_config_json")
     parts = [
-        str(v("model.preset")), f"H={v('trainer.inner_steps')}", str(v("averaging.compression")),
+        hf_summary(str(hf)) if hf else str(v("model.preset")), f"H={v('trainer.inner_steps')}", str(v("averaging.compression")),
         str(v("averaging.reducer")), f"overlap {v('outer.overlap')}",
         f"round {tokens} tokens" if tokens else "round auto", f"group {v('averaging.group_size')}",
     ]  # fmt: skip
@@ -145,6 +146,15 @@ def summary(manifest: Manifest) -> str:
     if manifest.key_required:
         parts.append("run key required")
     return ", ".join(parts)
+
+
+def hf_summary(config_json: str) -> str:
+    """A pinned transformers config in a few words: its model_type and the sha256 of its canonical JSON."""
+    try:
+        family = json.loads(config_json).get("model_type", "?")
+    except (ValueError, AttributeError):
+        family = "?"
+    return f"hf {family} {hashlib.sha256(config_json.encode()).hexdigest()[:12]}"
 
 
 def differing_keys(a: Manifest, b: Manifest) -> list[str]:

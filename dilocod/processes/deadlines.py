@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch
-
 from dilocod.codecs import bytes_per_element
 from dilocod.config import Config
-from dilocod.trainer.model import Transformer, count_params
+from dilocod.trainer.lm import lm_skeleton
+from dilocod.trainer.model import count_params
 from peers.linkbudget import Deadlines, LinkRule, ModelSize, deadlines, prior_rate
 
 log = logging.getLogger("dilocod.deadlines")
@@ -24,8 +23,7 @@ log = logging.getLogger("dilocod.deadlines")
 
 def model_size(cfg: Config) -> ModelSize:
     """The run's model as the link rule sees it."""
-    with torch.device("meta"):
-        elements = count_params(Transformer(cfg.model.spec()))
+    elements = count_params(lm_skeleton(cfg.model))
     codec = cfg.averaging.wire_codec()
     per_element = 4.0 if codec is None else bytes_per_element(codec)
     # With overlap a donor also serves the round it has in flight (one more model-sized tensor set).

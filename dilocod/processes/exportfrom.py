@@ -30,8 +30,7 @@ from dilocod.data.tokenizer import BYTE, load_tokenizer, tokenizer_json
 from dilocod.diloco.outer import global_sha256
 from dilocod.export.errors import ExportError
 from dilocod.export.export import check_out, write_export
-from dilocod.export.hf import named_params
-from dilocod.export.run import BYTE_VOCAB, RunModel, run_tokenizer
+from dilocod.export.run import BYTE_VOCAB, RunModel, check_params, run_tokenizer
 from dilocod.manifest.adopt import adopt
 from dilocod.manifest.obtain import fetch
 from dilocod.manifest.record import Manifest
@@ -39,7 +38,8 @@ from dilocod.observability.runview import read_run
 from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.groupoptions import averaging_options
 from dilocod.statesync.ledger import remember_hashes
-from dilocod.trainer.model import ModelConfig, ModelSpec
+from dilocod.trainer.lm import lm_skeleton
+from dilocod.trainer.model import ModelConfig
 from peers.datafetch import fetch_file, remote_size
 from peers.datashare import DataFetchError
 from peers.errors import PeersError
@@ -86,10 +86,13 @@ async def export_from(
         raise ExportError(str(e)) from None
     manifest = await _manifest(maddr)
     cfg = adopt(manifest, local_raw)
-    spec = ModelConfig(cfg.model.preset, cfg.model.vocab_size).spec()
+    model = ModelConfig(cfg.model.preset, cfg.model.vocab_size, hf_config_json=cfg.model.hf_config_json)
+    vocab = (
+        model.vocab_size if model.hf_config_json and model.vocab_size else lm_skeleton(model).shape.vocab_size
+    )
     with tempfile.TemporaryDirectory(prefix="dilocod-export-") as tmp:
-        tok, raw = await _tokenizer(cfg, spec, maddr, Path(tmp), data_path)
-    run = await _theta_global(cfg, manifest, spec, maddr)
+        tok, raw = await _tokenizer(cfg, vocab, maddr, Path(tmp), data_path)
+    run = await _theta_global(cfg, manifest, model, maddr)
     return await asyncio.to_thread(write_export, out, run, tok, raw)
 
 
@@ -101,15 +104,15 @@ async def _manifest(maddr: str) -> Manifest:
 
 
 async def _tokenizer(
-    cfg: Config, spec: ModelSpec, maddr: str, tmp: Path, data_path: Path | None
+    cfg: Config, vocab: int, maddr: str, tmp: Path, data_path: Path | None
 ) -> tuple[Tokenizer, bytes]:
     """The run's tokenizer: from `data_path` (a local copy of the dataset), or the index and tokenizer
     files over the data protocol from `maddr`, each checked against the hash the manifest pins."""
     dataset = cfg.data.dataset or None
     if data_path is not None:
-        return run_tokenizer(tmp, spec, dataset, data_path)
+        return run_tokenizer(tmp, vocab, dataset, data_path)
     if dataset is None:
-        if spec.vocab_size == BYTE_VOCAB:
+        if vocab == BYTE_VOCAB:
             return load_tokenizer(BYTE), tokenizer_json(BYTE)
         raise ExportError("the run pins no dataset: pass --data-path with a copy that has its tokenizer")
     p2p = await start_client("127.0.0.1")
@@ -124,7 +127,7 @@ async def _tokenizer(
     finally:
         with contextlib.suppress(Exception):
             await p2p.shutdown()
-    return run_tokenizer(tmp, spec, dataset, tmp)
+    return run_tokenizer(tmp, vocab, dataset, tmp)
 
 
 async def _small(p2p: Any, peer: Any, name: str, sha256: str, tmp: Path) -> Path:
@@ -135,7 +138,7 @@ async def _small(p2p: Any, peer: Any, name: str, sha256: str, tmp: Path) -> Path
     return tmp / name
 
 
-async def _theta_global(cfg: Config, manifest: Manifest, spec: ModelSpec, maddr: str) -> RunModel:
+async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, maddr: str) -> RunModel:
     """θ_global from a donor, checked as the module's docstring says, with what identifies it."""
     family = "::" if ":" in cfg.net.host else "0.0.0.0"
     options = NodeOptions(
@@ -154,7 +157,7 @@ async def _theta_global(cfg: Config, manifest: Manifest, spec: ModelSpec, maddr:
     )
     try:
         group.start()  # forks the averager process: from the main thread, as the peer does
-        return await _Download(cfg, manifest, spec, node, group).run()
+        return await _Download(cfg, manifest, model, node, group).run()
     finally:
         await loop.run_in_executor(None, group.stop)
         await loop.run_in_executor(None, node.stop)
@@ -163,15 +166,15 @@ async def _theta_global(cfg: Config, manifest: Manifest, spec: ModelSpec, maddr:
 class _Download:
     """Donors tried in turn until one serves a θ_global most reporting peers hold."""
 
-    def __init__(self, cfg: Config, manifest: Manifest, spec: ModelSpec, node: Node, group: GroupAverager):
-        self.cfg, self.manifest, self.spec, self.node, self.group = cfg, manifest, spec, node, group
+    def __init__(self, cfg: Config, manifest: Manifest, model: ModelConfig, node: Node, group: GroupAverager):
+        self.cfg, self.manifest, self.model, self.node, self.group = cfg, manifest, model, node, group
         self.seen: dict[int, dict[str, str]] = {}  # outer step → peer → θ hash reported
 
     async def run(self) -> RunModel:
         await self._wait_for_records()
         tried: list[str] = []
         problems: list[str] = []
-        elements = sum(t.numel() for t in named_params_shapes(self.spec))
+        elements = sum(t.numel() for t in named_params_shapes(self.model))
         for _ in range(DONORS):
             got = await self.group.download_state(
                 exclude=tried, min_step=0, max_elements=3 * elements, timeout=self._state_timeout()
@@ -224,7 +227,7 @@ class _Download:
         ):
             raise ExportError("its θ_global is not whole, finite fp32")
         try:
-            named_params(params, self.spec)
+            check_params(params, self.model)
         except ExportError as e:
             raise ExportError(f"its θ_global is not the run's model: {e}") from None
         sha, step = global_sha256(params), int(meta["outer_step"])
@@ -240,7 +243,7 @@ class _Download:
                  got.donor, votes.agreeing, votes.reporting)  # fmt: skip
         m = self.manifest
         return RunModel(
-            run_id=m.run_id, preset=self.cfg.model.preset, spec=self.spec, params=params, outer_step=step,
+            run_id=m.run_id, preset=self.cfg.model.preset, model=self.model, params=params, outer_step=step,
             global_sha256=sha, tokens_trained=None, checkpoint=None, manifest_hash=m.hash,
             dataset=self.cfg.data.dataset or None,
             swarm={"donor": got.donor, "peers_agreeing": votes.agreeing, "peers_reporting": votes.reporting},
@@ -257,9 +260,6 @@ class _Download:
             await asyncio.sleep(0.5)
 
 
-def named_params_shapes(spec: ModelSpec) -> Sequence[torch.Tensor]:
-    """θ_global's tensors as meta tensors (shapes only), in state_dict order."""
-    from dilocod.trainer.model import Transformer
-
-    with torch.device("meta"):
-        return list(Transformer(spec).state_dict().values())
+def named_params_shapes(model: ModelConfig) -> Sequence[torch.Tensor]:
+    """θ_global's tensors as meta tensors (shapes only), in the model's parameter order."""
+    return list(lm_skeleton(model).parameters())

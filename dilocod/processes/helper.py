@@ -25,7 +25,8 @@ from dilocod.observability.runview import HELPERS_KEY, NodeRunView
 from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.processes.groupoptions import averaging_options
 from dilocod.rounds import clock, helperclock
-from dilocod.trainer.model import ModelConfig, Transformer
+from dilocod.trainer.lm import lm_skeleton
+from dilocod.trainer.model import ModelConfig
 from peers.group import GroupAverager
 from peers.node import Node
 from proto import encode_status, encode_ticket
@@ -37,9 +38,7 @@ IDLE_SECONDS = 1.0
 
 def parameter_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
     """The shapes of the run's model's parameters, in state_dict order, without allocating them."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg.spec())
-    return [p.shape for p in model.parameters()]
+    return [p.shape for p in lm_skeleton(model_cfg).parameters()]
 
 
 class AuxReducer:

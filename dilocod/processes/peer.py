@@ -232,7 +232,7 @@ class PeerDaemon:
         self._publisher = StatusPublisher(
             network.node, self.state, self.metrics, self.history, cfg.net.status_interval, self.checkpoints
         )
-        sampler = run_sampler(cfg.data.path, trainer.model.spec.vocab_size, cfg.trainer.sample_prompt,
+        sampler = run_sampler(cfg.data.path, trainer.model.shape.vocab_size, cfg.trainer.sample_prompt,
                               cfg.trainer.sample_tokens)  # fmt: skip
         parts = Parts(
             training, PeerAveraging(network.group, judge), self.sync, view, self._publisher,

@@ -30,6 +30,7 @@ from dilocod.processes.initweights import init_weights_file
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.checkpoint import CheckpointError
 from dilocod.trainer import InnerTrainer
+from dilocod.trainer.lm import model_name
 
 log = logging.getLogger("dilocod.resume")
 
@@ -90,7 +91,7 @@ def _start_from_init(cfg: Config, trainer: InnerTrainer) -> None:
     if path is None:  # ensure_init ran before us: a peer never gets here without its copy
         raise CheckpointError("the run starts from pinned weights (model.init), but this node has no copy")
     try:
-        trainer.load_params(load_init(path, trainer.model.spec))
+        trainer.load_params(load_init(path, cfg.model.spec()))
     except ExportError as e:
         raise CheckpointError(f"the run's starting weights: {e}") from None
     log.info("starting from the run's initial weights %s (%s)", cfg.model.init[:12], path)
@@ -111,10 +112,11 @@ def _restore(
     tokens: TokenLedger,
     state: PeerState,
 ) -> None:
-    if checkpoint.get("run_id") != cfg.run.id or checkpoint.get("preset") != cfg.model.preset:
+    saved_model = checkpoint.get("model", checkpoint.get("preset"))  # "model": a preset or an hf config
+    if checkpoint.get("run_id") != cfg.run.id or saved_model != model_name(cfg.model):
         raise ValueError(
             f"checkpoint in {run_dir} belongs to run '{checkpoint.get('run_id')}' "
-            f"(preset {checkpoint.get('preset')}), not '{cfg.run.id}' ({cfg.model.preset}); use another --run-dir"
+            f"({saved_model}), not '{cfg.run.id}' ({model_name(cfg.model)}); use another --run-dir"
         )
     saved = checkpoint["outer"]
     outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"]])
@@ -156,6 +158,7 @@ def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[
     return {
         "run_id": cfg.run.id,
         "preset": cfg.model.preset,
+        "model": model_name(cfg.model),  # the preset, or "hf <model_type> <config sha256[:12]>"
         "outer": {
             "step": outer.step,
             "params": list(outer.params),

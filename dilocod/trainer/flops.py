@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .model import ModelSpec
+from .shape import LMShape
 
 # Dense bf16 tensor-core peaks (FLOP/s, no 2:4 sparsity) from the vendors' data sheets, keyed by a
 # whole word of `torch.cuda.get_device_name()` ("A10" does not match "A100", "L4" not "L40"). The first
@@ -44,16 +44,15 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def flops_per_token(spec: ModelSpec, seq_len: int, num_params: int) -> float:
+def flops_per_token(shape: LMShape, seq_len: int, num_params: int) -> float:
     """Training FLOPs (forward + backward) per token: 6·N + 12·layers·d_model·seq_len.
 
     N counts the parameters that take part in matrix multiplies: all but the input embedding, whose
-    lookup costs no FLOPs (a tied embedding is also the head, a matrix multiply: it counts). The second
+    lookup costs no FLOPs, nor does a table of positions (a tied embedding is also the head, a matrix multiply: it counts). The second
     term is attention's scores and weighted sum (PaLM's formula; it does not halve for the causal mask).
     """
-    lookup_only = 0 if spec.tie_embeddings else spec.vocab_size * spec.d_model
-    matmul_params = num_params - lookup_only
-    return 6.0 * matmul_params + 12.0 * spec.n_layers * spec.d_model * seq_len
+    matmul_params = num_params - shape.lookup_params
+    return 6.0 * matmul_params + 12.0 * shape.n_layers * shape.d_model * seq_len
 
 
 def known_peak_flops(device_name: str) -> float | None:

@@ -24,7 +24,8 @@ from dilocod.data.cursor import ChunkCursor
 
 from . import flops
 from .data import Corpus, DataConfig, Sampler, ShardSampler, batch_at, eval_batches, load_corpus
-from .model import ModelConfig, Transformer, build_model, count_params
+from .lm import LanguageModel, build_lm, model_name
+from .model import ModelConfig, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
 from .settings import TrainerConfig, checkpointing_enabled, cpu_threads, lr_at, resolve_devices
 
@@ -97,7 +98,7 @@ class InnerTrainer:
         if threads > 0:
             torch.set_num_threads(threads)
         # Same seed on every peer -> same starting parameters, with no transfer needed.
-        self.model: Transformer = build_model(model_cfg, seed).to(self.device)
+        self.model: LanguageModel = build_lm(model_cfg, seed).to(self.device)
         self.model.train()
         self.model.activation_checkpointing = checkpointing_enabled(cfg, model_cfg.preset, self.device)
         self.world_size = 1  # ranks training together; more once a local group joins (`local.py`)
@@ -105,10 +106,10 @@ class InnerTrainer:
         self._ddp: DistributedDataParallel | None = None  # set while in a local group
         # What runs the training forward/backward: the model, maybe compiled, maybe data-parallel.
         self._train_model: nn.Module = self._compiled(self.model)
-        if cfg.seq_len > self.model.spec.max_seq_len:
+        if cfg.seq_len > self.model.shape.max_seq_len:
             raise ValueError(
-                f"trainer.seq_len must be <= {self.model.spec.max_seq_len} "
-                f"(max_seq_len of model.preset {model_cfg.preset!r}), got {cfg.seq_len}"
+                f"trainer.seq_len must be <= {self.model.shape.max_seq_len} "
+                f"(max_seq_len of the model, {model_name(model_cfg)}), got {cfg.seq_len}"
             )
         self.corpus = corpus if corpus is not None else load_corpus(data_cfg)
         self.sampler: Sampler = ShardSampler(
@@ -153,6 +154,7 @@ class InnerTrainer:
             weight_decay=self.cfg.weight_decay,
             muon_lr_ratio=self.cfg.muon_lr_ratio,
             fused=self.device.type == "cuda",
+            muon_matrix=self.model.muon_matrix,
         )
 
     def _compiled(self, module: nn.Module) -> nn.Module:
@@ -199,7 +201,7 @@ class InnerTrainer:
 
     @property
     def flops_per_token(self) -> float:
-        return flops.flops_per_token(self.model.spec, self.cfg.seq_len, count_params(self.model))
+        return flops.flops_per_token(self.model.shape, self.cfg.seq_len, count_params(self.model))
 
     @property
     def peak_flops(self) -> float | None:
@@ -365,7 +367,8 @@ class InnerTrainer:
         """
         return {
             "version": _STATE_VERSION,
-            "model": _to_cpu_copy(dict(self.model.state_dict())),
+            # parameters only: a transformers model's state_dict also names a tied head and buffers
+            "model": _to_cpu_copy(dict(self.model.named_parameters())),
             "optimizer": _to_cpu_copy(self.optimizer.state_dict()),
             "optimizer_kind": self.cfg.optimizer,
             "step": self.step,

@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .shape import LMShape
+
+DEFAULT_PRESET = "tiny"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -37,6 +41,17 @@ class ModelConfig:
     # Local: a Hugging Face Llama directory on this machine that holds those weights ("" = none: a peer
     # fetches them from the run into <run dir>/init).
     init_from: str = ""
+    # Local: a directory on this machine holding a transformers config.json of any causal LM (GPT-2, Qwen2,
+    # Mistral, Llama, …) to train instead of the preset; the node starting the run pins it (hf_config_json)
+    hf_config: str = ""
+    # Run-wide: that config.json as canonical JSON (sorted keys, no spaces; "" = dilocod's own model of
+    # model.preset). Joiners build the model from it; see dilocod/manifest/pinhf.py
+    hf_config_json: str = ""
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether the run trains a transformers model (its pinned config) rather than dilocod's own."""
+        return bool(self.hf_config_json or self.hf_config)
 
     def spec(self) -> ModelSpec:
         """The preset's shapes with the run's vocabulary."""
@@ -52,6 +67,15 @@ class ModelConfig:
             )
         if self.init and not re.fullmatch(r"[0-9a-f]{64}", self.init):
             raise ValueError(f"model.init must be a sha256 (64 hex digits) or empty, got '{self.init}'")
+        if self.is_hf and self.preset != DEFAULT_PRESET:
+            raise ValueError(
+                f"model.hf_config and model.preset '{self.preset}' both name the model: set one of them"
+            )
+        if self.is_hf and (self.init or self.init_from):
+            raise ValueError(
+                "model.hf_config and --init-from (model.init_from) both choose the starting model: "
+                "--init-from takes a Llama checkpoint of a preset; set one of them"
+            )
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,12 @@ PRESETS: dict[str, ModelSpec] = {
 
 ROPE_BASE = 10000.0  # the byte presets' rotary base (a spec's own is `rope_theta`)
 INIT_STD = 0.02
+
+
+def shape_of(spec: ModelSpec) -> LMShape:
+    """The outline of dilocod's model of `spec` (an untied input embedding is only looked up)."""
+    lookup = 0 if spec.tie_embeddings else spec.vocab_size * spec.d_model
+    return LMShape("dilocod", spec.vocab_size, spec.max_seq_len, spec.n_layers, spec.d_model, lookup)
 
 
 class RMSNorm(nn.Module):
@@ -221,6 +251,14 @@ class Transformer(nn.Module):
         # RoPE tables are derived data, not state: kept out of state_dict (so parameters are the
         # whole state) and rebuilt lazily per (length, device).
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def shape(self) -> LMShape:
+        return shape_of(self.spec)
+
+    def muon_matrix(self, name: str, param: torch.Tensor) -> bool:
+        """Whether Muon may train `param` (a hidden matrix of the blocks; embeddings and head take AdamW)."""
+        return name.startswith("blocks.") and param.ndim == 2
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))

@@ -16,7 +16,7 @@ Both are stepped at every inner step. The trainer only needs the interface of on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,11 +72,13 @@ def make_inner_optimizer(
     weight_decay: float,
     muon_lr_ratio: float = 1.0,
     fused: bool = False,
+    muon_matrix: Callable[[str, torch.Tensor], bool] = uses_muon,
 ) -> InnerOptimizer:
-    """The optimizer `trainer.optimizer` names, over `named_params` (in the trainer's order)."""
+    """The optimizer `trainer.optimizer` names, over `named_params` (in the trainer's order); `muon_matrix`
+    picks the parameters Muon takes (the model's hidden matrices)."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"trainer.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{kind}'")
-    muon = [p for name, p in named_params if kind == "muon" and uses_muon(name, p)]
+    muon = [p for name, p in named_params if kind == "muon" and muon_matrix(name, p)]
     taken = {id(p) for p in muon}
     rest = [p for _, p in named_params if id(p) not in taken]
     groups = [

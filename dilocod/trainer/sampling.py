@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dilocod.trainer.model import Transformer
+from dilocod.trainer.lm import LanguageModel
 
 if TYPE_CHECKING:  # the trainer imports torch (and the data package for its corpus) only
     from tokenizers import Tokenizer
@@ -36,7 +36,7 @@ class Sampler:
         self.vocab = tokenizer.get_vocab_size(with_added_tokens=True)
 
     @torch.inference_mode()
-    def __call__(self, model: Transformer) -> str:
+    def __call__(self, model: LanguageModel) -> str:
         was_training = model.training
         model.eval()
         try:
@@ -49,12 +49,12 @@ class Sampler:
         text = whole[len(head) :] if self.prompt and whole.startswith(head) else self.tokenizer.decode(new)
         return text[:MAX_CHARS]
 
-    def _greedy(self, model: Transformer) -> list[int]:
+    def _greedy(self, model: LanguageModel) -> list[int]:
         device = next(model.parameters()).device
         context, new = list(self.ids), []
-        vocab = min(self.vocab, model.spec.vocab_size)  # the rest of the embedding table is padding
+        vocab = min(self.vocab, model.shape.vocab_size)  # the rest of the embedding table is padding
         for _ in range(self.max_new_tokens):
-            window = torch.tensor([context[-model.spec.max_seq_len :]], dtype=torch.long, device=device)
+            window = torch.tensor([context[-model.shape.max_seq_len :]], dtype=torch.long, device=device)
             token = int(model(window)[0, -1, :vocab].float().argmax())
             if token == self.eos:
                 break
