@@ -155,7 +155,7 @@ class AveragingConfig:
 
 ADVERSARY_MODES = (
     "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
-    "inflate_tokens",
+    "inflate_tokens", "freeride", "copy_update", "wrong_data",
 )  # fmt: skip
 
 
@@ -164,7 +164,8 @@ class AdversaryConfig:
     """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
 
     # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
-    # inflate_tokens: attack the run, for testing defences only (docs/trust.md)
+    # inflate_tokens | freeride | copy_update | wrong_data: attack the run, for testing defences only
+    # (docs/trust.md)
     mode: str = "none"
     alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
     stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago

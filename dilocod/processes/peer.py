@@ -128,6 +128,9 @@ class PeerDaemon:
         )
         self.resumed = resumed
         self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
+        window_map = self.adversary.windows(self.cfg.trainer.seq_len)
+        if window_map is not None:
+            resumed.trainer.window_map = window_map
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
             self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
