@@ -205,6 +205,22 @@ class NetConfig:
 
 
 @dataclass(frozen=True)
+class ScoringConfig:
+    """`[scoring]`: who really trained: every round, full nodes score each other's Δ on the data its ticket
+    claims (dilocod/trust/scoring.py, docs/trust.md)."""
+
+    enabled: bool = False  # score contributions and give peers rated below the gate weight 0
+    sequences: int = 8  # sequences of the claimed chunks, and as many random ones, per score
+    step: float = 1.0  # the step along Δ the loss is measured after (1: where the contributor's steps ended)
+
+    def validate(self) -> None:
+        if not 1 <= self.sequences <= 1024:
+            raise ValueError(f"scoring.sequences must be in 1..1024, got {self.sequences}")
+        if not 0 < self.step <= 4:
+            raise ValueError(f"scoring.step must be in (0, 4], got {self.step}")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -216,6 +232,7 @@ class Config:
     net: NetConfig = field(default_factory=NetConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
 
     def validate(self) -> None:
         if self.model.preset not in PRESETS:

@@ -36,6 +36,7 @@ from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
+from dilocod.processes.scoring import ContributionScoring
 from dilocod.processes.training import TrainerThread
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
@@ -97,6 +98,7 @@ class PeerDaemon:
             args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping
         )
         self._tasks: list[asyncio.Task[Any]] = []
+        self.scoring: ContributionScoring | None = None  # with `scoring.enabled`
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -147,6 +149,8 @@ class PeerDaemon:
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
             init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
+        if self.scoring is not None:
+            await self.scoring.start()
         self._tasks += await self.feed.start(self.cfg, resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
@@ -216,9 +220,24 @@ class PeerDaemon:
         )
         sampler = run_sampler(cfg.data.path, trainer.model.spec.vocab_size, cfg.trainer.sample_prompt,
                               cfg.trainer.sample_tokens)  # fmt: skip
+        self.scoring = (
+            ContributionScoring(
+                cfg,
+                network.node,
+                self.state,
+                self.metrics,
+                trainer.model,
+                trainer.train_source,
+                trainer.train_tokens,
+                judge.punish,
+                serve=not network.client,
+            )  # fmt: skip
+            if cfg.scoring.enabled
+            else None
+        )
         parts = Parts(
             training, PeerAveraging(network.group, judge), self.sync, view, self._publisher,
-            sample=None if sampler is None else lambda: sampler(trainer.model),
+            sample=None if sampler is None else lambda: sampler(trainer.model), scoring=self.scoring,
         )  # fmt: skip
         fragments = pipeline.fragment_count
         machine = MachineSettings(
@@ -306,6 +325,8 @@ class PeerDaemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.scoring is not None:
+            await self.scoring.stop()
         await self._final_checkpoint()
         loop = asyncio.get_running_loop()
         if self.http is not None:
@@ -339,6 +360,11 @@ class PeerDaemon:
         status = self.state.status()
         status["data_served"] = served_status(self.data_server)
         status["data_schedule"] = self.feed.status(self.resumed)
+        if self.scoring is not None:
+            status["scoring"] = self.scoring.status()
+            reason = self.scoring.gate_reason()
+            if reason is not None:  # rated below the gate: the most specific reason our work does not count
+                status["contributing"], status["not_contributing_reason"] = False, reason
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce
