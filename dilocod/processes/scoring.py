@@ -173,8 +173,8 @@ class ContributionScoring:
         started = time.perf_counter()
 
         async def ask(request: bytes) -> bytes:
-            return await self.node.ask_unary(
-                f"/p2p/{target}", PROTOCOL, request, timeout=FETCH_TIMEOUT, max_reply=PART_BYTES + 4096
+            return await self.node.ask_unary_peer(
+                target, PROTOCOL, request, timeout=FETCH_TIMEOUT, max_reply=PART_BYTES + 4096
             )
 
         try:
