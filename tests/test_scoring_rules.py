@@ -87,7 +87,12 @@ def test_ratings_fold_verdicts_in_step_order_whatever_order_they_were_read() -> 
     from dilocod.trust.scoring import ratings
 
     rule = RatingRule()
-    verdicts = [(3, "s1", "bad", False), (1, "s2", "bad", False), (2, "s1", "good", True), (1, "s1", "good", True)]
+    verdicts = [
+        (3, "s1", "bad", False),
+        (1, "s2", "bad", False),
+        (2, "s1", "good", True),
+        (1, "s1", "good", True),
+    ]
     a = ratings(verdicts, rule)
     b = ratings(list(reversed(verdicts)), rule)
     assert a == b
