@@ -40,6 +40,12 @@ class Adversary:
     def corrupt_reductions(self) -> bool:
         return self.mode == "bad_reducer"
 
+    @property
+    def checks_reducers(self) -> bool:
+        """Whether it checks the averages it gets back against what it sent: a free-rider or copier sent a
+        lie, and wants to stay in the group whatever comes back (its checks would ban every honest reducer)."""
+        return self.mode not in ("freeride", "copy_update")
+
     def corrupt_delta(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pseudo-gradient this peer sends instead of its honest `delta`."""
         self._history.append([d.clone() for d in delta])
