@@ -11,7 +11,7 @@ import pytest
 
 from tests.harness import FAST, Swarm
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 K = 8  # outer steps within which the adversary is gated
 CHUNK_TOKENS = 8192
