@@ -157,7 +157,7 @@ class AveragingConfig:
 
 ADVERSARY_MODES = (
     "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
-    "inflate_tokens",
+    "inflate_tokens", "freeride", "copy_update", "wrong_data",
 )  # fmt: skip
 
 
@@ -166,7 +166,8 @@ class AdversaryConfig:
     """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
 
     # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
-    # inflate_tokens: attack the run, for testing defences only (docs/trust.md)
+    # inflate_tokens | freeride | copy_update | wrong_data: attack the run, for testing defences only
+    # (docs/trust.md)
     mode: str = "none"
     alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
     stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
@@ -206,6 +207,22 @@ class NetConfig:
 
 
 @dataclass(frozen=True)
+class ScoringConfig:
+    """`[scoring]`: who really trained: every round, full nodes score each other's Δ on the data its ticket
+    claims (dilocod/trust/scoring.py, docs/trust.md)."""
+
+    enabled: bool = False  # score contributions and give peers rated below the gate weight 0
+    sequences: int = 8  # sequences of the claimed chunks, and as many random ones, per score
+    step: float = 1.0  # the step along Δ the loss is measured after (1: where the contributor's steps ended)
+
+    def validate(self) -> None:
+        if not 1 <= self.sequences <= 1024:
+            raise ValueError(f"scoring.sequences must be in 1..1024, got {self.sequences}")
+        if not 0 < self.step <= 4:
+            raise ValueError(f"scoring.step must be in (0, 4], got {self.step}")
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -217,6 +234,7 @@ class Config:
     net: NetConfig = field(default_factory=NetConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
 
     def validate(self) -> None:
         if self.model.preset not in PRESETS:

@@ -264,6 +264,15 @@ class Node:
             await self.client_p2p(), peer_id, protocol, request, timeout=timeout, max_reply=max_reply
         )
 
+    async def ask_unary_peer(
+        self, peer_id: str, protocol: str, request: bytes, *, timeout: float, max_reply: int
+    ) -> bytes:
+        """One request to a peer known by its id alone (the DHT's routing finds its addresses)."""
+        return await unary.ask_unary(
+            await self.client_p2p(), PeerID.from_base58(peer_id), protocol, request, timeout=timeout,
+            max_reply=max_reply,
+        )  # fmt: skip
+
     async def client_p2p(self) -> Any:
         """Our p2pd, for streams we open (replicated once, on first use)."""
         if self._client_p2p is None:

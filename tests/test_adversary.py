@@ -98,3 +98,35 @@ def test_inflate_tokens_claims_ten_times_its_tokens_and_a_throughput_to_match() 
     assert adversary("none").claim(1000, 50.0) == (1000, 50.0)
     delta = [torch.ones(3)]
     assert torch.equal(adversary("inflate_tokens").corrupt_delta(delta)[0], delta[0])  # its Δ is honest
+
+
+def test_freeride_sends_tiny_noise_whatever_it_trained() -> None:
+    delta = honest_delta(20)
+    sent = adversary("freeride").corrupt_delta(delta)
+    assert norm(sent) == pytest.approx(1e-3 * norm(delta), rel=1e-5)
+    assert adversary("freeride").claim(1000, 50.0) == (1000, 50.0)  # its claims look honest
+
+
+def test_copy_update_sends_the_runs_last_outer_update_at_its_own_norm() -> None:
+    a = adversary("copy_update")
+    before = honest_delta(21)
+    a.observe_global(before)
+    assert all(bool((t == 0).all()) for t in a.corrupt_delta(honest_delta(22)))  # nothing to copy yet
+    update = honest_delta(23)
+    a.observe_global([b - u for b, u in zip(before, update)])  # the run applied an outer step
+    delta = honest_delta(24)
+    sent = a.corrupt_delta(delta)
+    scale = norm(delta) / norm(update)
+    assert all(torch.allclose(s, u * scale, atol=1e-6) for s, u in zip(sent, update))
+
+
+def test_wrong_data_trains_the_same_windows_whatever_its_leases_say() -> None:
+    assert adversary("none").windows(8) is None
+    fixed = adversary("wrong_data").windows(8)
+    assert fixed is not None
+    first = fixed([1000, 2000, 3000])
+    assert first == [0, 8, 16]
+    seen = set(first)
+    for _ in range(40):
+        seen.update(fixed([10**6 + i for i in range(3)]))
+    assert seen == {8 * i for i in range(64)}  # 64 windows at the stream's start, round and round

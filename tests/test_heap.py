@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from dilocod.trainer import DataConfig, InnerTrainer, ModelConfig, TrainerConfig
-from dilocod.trainer.model import parameter_template
+from dilocod.trainer.lm import parameter_template
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -78,3 +78,31 @@ def test_ratings_gate_a_failing_peer_then_ban_it_and_let_a_recovered_one_back() 
         (0.0977, True, False),
         (0.0488, True, True),  # four failures in a row: banned
     ]
+
+
+# ---- ratings from published verdicts (dilocod/processes/scoring.py folds them) ----------------------------
+
+
+def test_ratings_fold_verdicts_in_step_order_whatever_order_they_were_read() -> None:
+    from dilocod.trust.scoring import ratings
+
+    rule = RatingRule()
+    verdicts = [
+        (3, "s1", "bad", False),
+        (1, "s2", "bad", False),
+        (2, "s1", "good", True),
+        (1, "s1", "good", True),
+    ]
+    a = ratings(verdicts, rule)
+    b = ratings(list(reversed(verdicts)), rule)
+    assert a == b
+    assert gated(a["bad"], rule) and a["bad"].failures == 2
+    assert not gated(a["good"], rule) and a["good"].scored == 2
+
+
+def test_one_of_three_scorers_cannot_fail_a_peer_alone() -> None:
+    from dilocod.trust.scoring import ratings
+
+    rule = RatingRule()
+    verdicts = [(5, "liar", "p", False), (5, "s1", "p", True), (5, "s2", "p", True)]
+    assert ratings(verdicts, rule)["p"].failures == 0

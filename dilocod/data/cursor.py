@@ -33,6 +33,29 @@ class Segment:
     hi: int
 
 
+def window_order(seed: str, epoch: int, chunk: int, size: int, seq_len: int) -> np.ndarray:
+    """The order in which a chunk of `size` tokens has its windows trained (see `ChunkCursor._order`); a
+    scorer uses it to find the windows a ticket's part [lo, hi) names."""
+    windows = max(0, (size - 1) // seq_len)
+    digest = hashlib.sha256(f"windows:{seed}:{epoch}:{chunk}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "big")).permutation(windows)
+
+
+def part_windows(
+    seed: str, part: tuple[int, int, int, int], chunk_tokens: int, train_tokens: int, seq_len: int
+) -> list[int]:
+    """Start positions (in the train stream) of the windows trained in a ticket's part (epoch, chunk, lo,
+    hi) of the run's chunk schedule; [] for a part outside the stream."""
+    epoch, chunk, lo, hi = part
+    start = chunk * chunk_tokens
+    size = min(chunk_tokens, train_tokens - start)
+    if size <= seq_len or lo >= hi:
+        return []
+    order = window_order(seed, epoch, chunk, size, seq_len)
+    first, last = lo // seq_len, min(len(order), -(-hi // seq_len))
+    return [start + int(order[i]) * seq_len for i in range(first, last)]
+
+
 class ChunkCursor:
     def __init__(self, seq_len: int, seed: str = "") -> None:
         if seq_len < 1:
@@ -81,9 +104,7 @@ class ChunkCursor:
         if key not in self._orders:
             if len(self._orders) > 8:
                 self._orders.pop(next(iter(self._orders)))
-            windows = max(0, (lease.size - 1) // self.seq_len)
-            seed = hashlib.sha256(f"windows:{self.seed}:{lease.epoch}:{lease.chunk}".encode()).digest()
-            self._orders[key] = np.random.default_rng(int.from_bytes(seed[:8], "big")).permutation(windows)
+            self._orders[key] = window_order(self.seed, lease.epoch, lease.chunk, lease.size, self.seq_len)
         return self._orders[key]
 
     def _done(self, lease: Grant) -> int:

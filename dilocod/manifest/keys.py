@@ -26,6 +26,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
         "request_timeout", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",
         "screen_norm_ratio", "compression", "adaptive_deadlines", "deadline_factor", "min_allreduce_timeout",
     ),
+    "scoring": ("enabled", "sequences", "step"),
 }  # fmt: skip
 
 LOCAL: dict[str, tuple[str, ...]] = {

@@ -71,6 +71,18 @@ class Metrics:
         self.rounds = Counter("dilocod_rounds", "Outer rounds by result", ["result"], registry=r)
         self.resyncs = Counter("dilocod_resyncs", "State downloads that replaced θ_global", registry=r)
         self.peers_known = Gauge("dilocod_peers_known", "Other live peers of this run", registry=r)
+        # Contribution scoring (dilocod/processes/scoring.py).
+        self.scores_computed = Counter(
+            "dilocod_scores_computed",
+            "Contributions this peer scored (fetched and measured, or failed)",
+            registry=r,
+        )
+        self.scoring_seconds = Counter(
+            "dilocod_scoring_seconds", "Seconds spent scoring contributions, fetches included", registry=r
+        )
+        self.peers_gated = Gauge(
+            "dilocod_peers_gated", "Peers this peer rates below the scoring gate (weight 0)", registry=r
+        )
         self.invalid_records = Counter(
             "dilocod_invalid_records", "Malformed records from the DHT that were dropped", registry=r
         )

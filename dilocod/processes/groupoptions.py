@@ -16,6 +16,7 @@ def averaging_options(
     run_tag: str | None = None,
     corrupt_reductions: bool = False,
     link: LinkRule | None = None,
+    check_reducers: bool = True,
 ) -> AveragingOptions:
     """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
     `run_tag` is the run manifest's hash (only nodes of the same manifest meet); `link`: the auto
@@ -44,7 +45,9 @@ def averaging_options(
         # auxiliary reducer's averages as implausible and ban it).
         reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
         # A trainer checks the averages it receives; `mean` is the undefended baseline, with no check either.
-        check_part=None if aux or avg.reducer == "mean" else make_part_check(avg.screening_config()),
+        check_part=None
+        if aux or avg.reducer == "mean" or not check_reducers
+        else make_part_check(avg.screening_config()),
         # The run's codec: every reducer decodes, reduces and re-encodes alike.
         codec=avg.wire_codec(),
         corrupt_reductions=corrupt_reductions,

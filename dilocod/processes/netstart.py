@@ -61,6 +61,7 @@ async def start_network(
     run_tag: str | None = None,
     corrupt_reductions: bool = False,
     link: LinkRule | None = None,
+    check_reducers: bool = True,
 ) -> Network:
     loop = asyncio.get_running_loop()
     net = cfg.net
@@ -95,7 +96,12 @@ async def start_network(
         await loop.run_in_executor(None, node.start)
     client = not (reach.public or via_relay)
     options = averaging_options(
-        cfg, "client" if client else "node", run_tag=run_tag, corrupt_reductions=corrupt_reductions, link=link
+        cfg,
+        "client" if client else "node",
+        run_tag=run_tag,
+        corrupt_reductions=corrupt_reductions,
+        link=link,
+        check_reducers=check_reducers,
     )
     group = GroupAverager(node, template, options, state_provider)
     # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be

@@ -37,6 +37,7 @@ from dilocod.processes.initweights import ensure_init, served_init
 from dilocod.processes.netstart import Network, peer_key, start_network
 from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
 from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
+from dilocod.processes.scoring import ContributionScoring
 from dilocod.processes.training import TrainerThread
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
@@ -46,7 +47,7 @@ from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
-from dilocod.trainer.model import parameter_template
+from dilocod.trainer.lm import parameter_template
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
@@ -103,6 +104,7 @@ class PeerDaemon:
             args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping
         )
         self._tasks: list[asyncio.Task[Any]] = []
+        self.scoring: ContributionScoring | None = None  # with `scoring.enabled`
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -126,7 +128,7 @@ class PeerDaemon:
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, template, self._serve_state,
             self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
-            link=link,
+            link=link, check_reducers=self.adversary.checks_reducers,
         )  # fmt: skip
         opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
@@ -148,6 +150,9 @@ class PeerDaemon:
             raise RuntimeError("the averager's tensors do not match the model's parameters")
         self.resumed = resumed
         self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
+        window_map = self.adversary.windows(self.cfg.trainer.seq_len)
+        if window_map is not None:
+            resumed.trainer.window_map = window_map
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
         if not self.network.client:  # a newcomer given our address takes the run's manifest from us
             await self.network.node.serve_manifest(self.manifests.blob)
@@ -161,6 +166,8 @@ class PeerDaemon:
         if not self.network.client:  # a private peer accepts no connections: it cannot serve
             init = await asyncio.to_thread(served_init, self.cfg)  # ours to serve once verified
             self.data_server = await serve_dataset(self.network.node, self.cfg, self.metrics, init)
+        if self.scoring is not None:
+            await self.scoring.start()
         self._tasks += await self.feed.start(self.cfg, resumed, self.network)
         self._tasks.append(asyncio.create_task(self._publisher.heartbeat()))
         assert self.manifests is not None
@@ -245,9 +252,24 @@ class PeerDaemon:
         )
         sampler = run_sampler(cfg.data.path, trainer.model.shape.vocab_size, cfg.trainer.sample_prompt,
                               cfg.trainer.sample_tokens)  # fmt: skip
+        self.scoring = (
+            ContributionScoring(
+                cfg,
+                network.node,
+                self.state,
+                self.metrics,
+                trainer.model,
+                trainer.train_source,
+                trainer.train_tokens,
+                judge.punish,
+                serve=not network.client,
+            )  # fmt: skip
+            if cfg.scoring.enabled
+            else None
+        )
         parts = Parts(
             training, PeerAveraging(network.group, judge), self.sync, view, self._publisher,
-            sample=None if sampler is None else lambda: sampler(trainer.model),
+            sample=None if sampler is None else lambda: sampler(trainer.model), scoring=self.scoring,
         )  # fmt: skip
         fragments = pipeline.fragment_count
         machine = MachineSettings(
@@ -341,6 +363,8 @@ class PeerDaemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.scoring is not None:
+            await self.scoring.stop()
         await self._final_checkpoint()
         loop = asyncio.get_running_loop()
         if self.http is not None:
@@ -376,6 +400,11 @@ class PeerDaemon:
         status = self.state.status()
         status["data_served"] = served_status(self.data_server)
         status["data_schedule"] = self.feed.status(self.resumed)
+        if self.scoring is not None:
+            status["scoring"] = self.scoring.status()
+            reason = self.scoring.gate_reason()
+            if reason is not None:  # rated below the gate: the most specific reason our work does not count
+                status["contributing"], status["not_contributing_reason"] = False, reason
         if self.network is not None:  # the deadlines the next round will use (they follow recent rounds)
             group = self.network.group
             status["in_allreduce"] = group.in_allreduce

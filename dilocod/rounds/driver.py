@@ -45,7 +45,7 @@ from dilocod.rounds.joining import Joining
 from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Averaging, Publisher, RunView, StateSyncing, Training
+from dilocod.rounds.ports import Averaging, Publisher, RunView, Scoring, StateSyncing, Training
 from dilocod.rounds.timing import RoundTimer
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
@@ -68,6 +68,7 @@ class Parts:
     publisher: Publisher
     # A greedy completion of the run's prompt from the model (run in the trainer thread); None: no samples.
     sample: Callable[[], str] | None = None
+    scoring: Scoring | None = None  # contribution scoring (`scoring.enabled`)
 
 
 class RoundDriver:
@@ -93,6 +94,7 @@ class RoundDriver:
         self.effects = Effects(
             cfg, state, metrics, outer, pipeline, tokens, self.context,
             training=parts.training, sync=parts.sync, publisher=parts.publisher, sample=parts.sample,
+            scoring=parts.scoring,
         )  # fmt: skip
         self.timer = RoundTimer(state, tokens, parts.view, clock_settings, cfg.net.status_interval)
         self.observer = RunObserver(
@@ -104,7 +106,7 @@ class RoundDriver:
         self.facts = self.observer.facts
         self.exchange = Exchange(
             cfg, state, outer, pipeline, tokens, self.timer, bans,
-            training=parts.training, averaging=parts.averaging, adversary=adversary,
+            training=parts.training, averaging=parts.averaging, adversary=adversary, scoring=parts.scoring,
         )  # fmt: skip
         self.joining = Joining(cfg.averaging, state, self.timer, parts.publisher, machine.overlapped)
         self._in_flight: InFlight | None = None

@@ -32,7 +32,7 @@ from dilocod.rounds.events import (
     Warn,
 )
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Publisher, StateSyncing, Training
+from dilocod.rounds.ports import Publisher, Scoring, StateSyncing, Training
 from dilocod.rounds.tokens import TokenLedger
 from peers.group import RoundOutcome, incomplete_reason
 
@@ -68,11 +68,13 @@ class Effects:
         sync: StateSyncing,
         publisher: Publisher,
         sample: Callable[[], str] | None = None,
+        scoring: Scoring | None = None,
     ) -> None:
         self.cfg, self.state, self.metrics, self.outer = cfg, state, metrics, outer
         self.pipeline, self.tokens, self.context = pipeline, tokens, context
         self.training, self.sync, self.publisher = training, sync, publisher
         self.sample = sample
+        self.scoring = scoring
         self._contributed_reported = 0.0  # what the tokens-contributed counter holds
 
     async def perform(self, effect: Effect) -> None:
@@ -107,8 +109,18 @@ class Effects:
         else:
             assert outcome is not None and outcome.averaged is not None
             averaged = outcome.averaged
+            scored = (
+                self.scoring is not None and contribution.indices is None and not contribution_empty(outcome)
+            )
+            start = (
+                await self.training.run(lambda: [p.clone() for p in self.outer.params]) if scored else None
+            )
             await self.training.run(lambda: self.pipeline.apply(contribution, averaged))
             self.context.counted = self.tokens.applied(outcome.my_weight)
+            if (
+                start is not None and self.scoring is not None
+            ):  # the group's Δ are scored from where it started
+                self.scoring.applied(contribution.step, start, outcome.members, self.outer.sha256)
         self.state.alone = alone
         self.new_global()
 
@@ -273,6 +285,11 @@ class Effects:
         self.state.round_opened = time.time() if opened is None else opened
         self.state.round_steps = 0
         self.state.round_tokens = 0
+
+
+def contribution_empty(outcome: RoundOutcome) -> bool:
+    """A round with fewer than two contributors has nobody to score."""
+    return outcome.contributors < 2
 
 
 async def cancelled_quietly(task: asyncio.Task[object]) -> None:

@@ -13,7 +13,7 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.rounds.effects import cancelled_quietly
 from dilocod.rounds.events import Attempt
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Averaging, Training
+from dilocod.rounds.ports import Averaging, Scoring, Training
 from dilocod.rounds.timing import RoundTimer
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
@@ -25,6 +25,7 @@ from proto.records import TICKET_SEGMENTS
 log = logging.getLogger("dilocod.rounds")
 
 NO_MANIFEST = "0" * 64  # a ticket's manifest when the driver runs without one (unit tests of the driver)
+MAX_TICKET_BANS = 32  # proto.ROUND_TICKET `bans`
 STOP_GRACE_SECONDS = 15.0  # a round exchanging tensors may finish serving our parts this long at a stop
 
 
@@ -52,9 +53,11 @@ class Exchange:
         training: Training,
         averaging: Averaging,
         adversary: Adversary | None = None,
+        scoring: Scoring | None = None,
     ) -> None:
         self.cfg, self.state, self.outer, self.pipeline = cfg, state, outer, pipeline
         self.tokens, self.timer, self.bans, self.adversary = tokens, timer, bans, adversary
+        self.scoring = scoring
         self.training, self.averaging = training, averaging
 
     async def start(self) -> InFlight:
@@ -62,6 +65,10 @@ class Exchange:
         contribution = await self.training.run(self.pipeline.contribution)
         tokens, seconds = self.tokens.send(contribution.fragment)
         ticket = self.ticket(contribution.step, tokens, seconds)
+        if self.scoring is not None:  # kept to be served to whoever scores it
+            claimed, _ = self.adversary.claim(tokens, 0.0) if self.adversary is not None else (tokens, 0.0)
+            chunks = [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part]
+            self.scoring.sent(contribution.step, contribution.sent, contribution.indices, claimed, chunks)
         average = self.averaging.average(contribution, ticket, self.timer.group_target)
         return InFlight(contribution, tokens, asyncio.create_task(average))
 
@@ -75,7 +82,7 @@ class Exchange:
                 "global_sha256": self.outer.sha256,
                 "num_params": self.outer.num_elements,
                 "role": "peer",
-                "bans": self.bans.peer_ids()[-32:],
+                "bans": self._bans(),
                 "tokens": tokens,
                 "tokens_per_second": tokens_per_second,
                 "train_seconds": max(0.0, seconds),
@@ -84,6 +91,12 @@ class Exchange:
                 "chunks": [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part] or None,
             }
         )
+
+    def _bans(self) -> list[str]:
+        """The peers we ban, and those scoring rates below the gate (most tickets listing one: weight 0)."""
+        gated = self.scoring.gated_peers()[:16] if self.scoring is not None else []
+        banned = [p for p in self.bans.peer_ids() if p not in gated]
+        return banned[-(MAX_TICKET_BANS - len(gated)) :] + gated
 
     async def unless_stopped(
         self, task: asyncio.Task[RoundOutcome], stopping: asyncio.Event

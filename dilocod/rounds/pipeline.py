@@ -105,6 +105,8 @@ class RoundPipeline:
         else:
             raw = self.outer.pseudo_gradient(local)
         delta = raw if self.feedback is None else self._feedback(indices).compensate(raw)
+        if self.adversary.active:
+            self.adversary.observe_global(self.outer.params)
         sent = self._corrupt(delta, indices) if self.adversary.active else delta
         return Contribution(self.outer.step, fragment, indices, delta, sent, progress)
 

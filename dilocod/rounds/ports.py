@@ -90,3 +90,21 @@ class Publisher(Protocol):
     async def checkpoint(self) -> None:
         """Write a checkpoint (it may finish in the background)."""
         ...
+
+
+class Scoring(Protocol):
+    """Contribution scoring (dilocod/processes/scoring.py): optional."""
+
+    def sent(
+        self, step: int, sent: list[torch.Tensor], indices: list[int] | None, tokens: int, chunks: list[int]
+    ) -> None:
+        """Our contribution at `step` left (what went on the wire, what its ticket claimed)."""
+        ...
+
+    def applied(self, step: int, start: list[torch.Tensor], members: tuple[str, ...], new_hash: str) -> None:
+        """A group's round at `step` was applied: θ_global was `start`, now hashes to `new_hash`."""
+        ...
+
+    def gated_peers(self) -> list[str]:
+        """Peers rated below the gate: our tickets list them with our bans."""
+        ...

@@ -136,6 +136,9 @@ class InnerTrainer:
         # without one, or when its leases run dry, from the sampler's random windows (`unscheduled`).
         self.cursor: ChunkCursor | None = None
         self.unscheduled_batches = 0
+        # Where the windows of a scheduled batch really come from: themselves, except for the `wrong_data`
+        # adversary, which trains one fixed stretch over and over while its cursor claims its leases.
+        self.window_map: Callable[[list[int]], list[int]] = lambda starts: starts
         self._train_source = as_source(self.corpus.train)
 
     # ------------------------------------------------------------ setup
@@ -265,7 +268,7 @@ class InnerTrainer:
         if self.cursor is not None and self.rank == 0:
             starts = self.cursor.windows(self.cfg.batch_size)
             if starts is not None:
-                return batch_at(self._train_source, starts, self.cfg.seq_len)
+                return batch_at(self._train_source, self.window_map(starts), self.cfg.seq_len)
             self.unscheduled_batches += 1
         return self.sampler.batch(self.data_position)
 

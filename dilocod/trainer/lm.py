@@ -29,6 +29,14 @@ def lm_skeleton(cfg: ModelConfig) -> LanguageModel:
         return Transformer(cfg.spec())
 
 
+def parameter_template(cfg: ModelConfig) -> list[torch.Tensor]:
+    """Meta tensors of the shapes of the model's parameters, in state-dict order (the order of
+    `InnerTrainer.params()` and θ_global): what needs the shapes before the model exists allocates nothing."""
+    model = lm_skeleton(cfg)
+    named = dict(model.named_parameters())
+    return [named[name] for name in model.state_dict() if name in named]
+
+
 def hf_config_sha256(config_json: str) -> str:
     """What names a pinned transformers config: the sha256 of its canonical JSON."""
     return hashlib.sha256(config_json.encode()).hexdigest()

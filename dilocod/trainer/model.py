@@ -323,15 +323,6 @@ def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     return model
 
 
-def parameter_template(cfg: ModelConfig) -> list[torch.Tensor]:
-    """Meta tensors of the shapes of the model's parameters, in state-dict order (the order of
-    `InnerTrainer.params()` and θ_global): what needs the shapes before the model exists allocates nothing."""
-    with torch.device("meta"):
-        model = Transformer(cfg.spec())
-    named = dict(model.named_parameters())
-    return [named[name] for name in model.state_dict() if name in named]
-
-
 def count_params(model: nn.Module) -> int:
     """Number of parameter elements (works on meta-device models too)."""
     return sum(p.numel() for p in model.parameters())

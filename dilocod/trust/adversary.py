@@ -9,6 +9,7 @@ the group's majority and keeps getting the chance to attack.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -16,6 +17,8 @@ from dilocod.config import AdversaryConfig
 
 ALIE_WINDOW = 10
 INFLATE_FACTOR = 10  # inflate_tokens: how much more than the truth it claims
+FREERIDE_NOISE = 1e-3  # freeride: the noise's norm ÷ the honest Δ's (tiny: it did no work)
+WRONG_DATA_WINDOWS = 64  # wrong_data: the windows at the stream's start it trains over and over
 
 
 class Adversary:
@@ -26,6 +29,8 @@ class Adversary:
         self._generator = torch.Generator().manual_seed(seed + 7919)
         self._history: deque[list[torch.Tensor]] = deque(maxlen=max(cfg.stale_rounds, ALIE_WINDOW) + 1)
         self._direction: list[torch.Tensor] | None = None
+        self._global: list[torch.Tensor] | None = None  # copy_update: θ_global at our last contribution
+        self._update: list[torch.Tensor] | None = None  # ... and the run's last outer update seen
 
     @property
     def active(self) -> bool:
@@ -34,6 +39,12 @@ class Adversary:
     @property
     def corrupt_reductions(self) -> bool:
         return self.mode == "bad_reducer"
+
+    @property
+    def checks_reducers(self) -> bool:
+        """Whether it checks the averages it gets back against what it sent: a free-rider or copier sent a
+        lie, and wants to stay in the group whatever comes back (its checks would ban every honest reducer)."""
+        return self.mode not in ("freeride", "copy_update")
 
     def corrupt_delta(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pseudo-gradient this peer sends instead of its honest `delta`."""
@@ -54,7 +65,50 @@ class Adversary:
             )
         if self.mode == "alie":
             return self._alie(delta)
+        if self.mode == "freeride":
+            return self._freeride(delta)
+        if self.mode == "copy_update":
+            return self._copy(delta)
         return delta
+
+    def observe_global(self, params: list[torch.Tensor]) -> None:
+        """θ_global as a contribution is measured from it: `copy_update` learns the run's last outer update
+        (θ_global of the round before minus this one, which every peer knows) from consecutive ones."""
+        if self.mode != "copy_update":
+            return
+        previous = self._global
+        if previous is not None and [p.shape for p in previous] == [p.shape for p in params]:
+            update = [a - b for a, b in zip(previous, params)]
+            if _norm(update) > 0:  # θ_global moved: a new outer step was applied
+                self._update = update
+        self._global = [p.detach().clone() for p in params]
+
+    def _freeride(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """No work: a tiny random Δ, while the ticket claims the tokens honestly trained (or not)."""
+        noise = [torch.randn(d.shape, generator=self._generator) for d in delta]
+        scale = FREERIDE_NOISE * _norm(delta) / max(_norm(noise), 1e-12)
+        return [n * scale for n in noise]
+
+    def _copy(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The run's last outer update, rescaled to the norm of a Δ of ours (zero before it saw one)."""
+        if self._update is None or [u.shape for u in self._update] != [d.shape for d in delta]:
+            return [torch.zeros_like(d) for d in delta]
+        scale = _norm(delta) / max(_norm(self._update), 1e-12)
+        return [u * scale for u in self._update]
+
+    def windows(self, seq_len: int) -> Callable[[list[int]], list[int]] | None:
+        """`wrong_data`: where its batches really come from. It trains the same few windows at the start of
+        the stream over and over, whatever its leases say (its cursor, and so its tickets, still name them)."""
+        if self.mode != "wrong_data":
+            return None
+        taken = [0]
+
+        def fixed(starts: list[int]) -> list[int]:
+            out = [((taken[0] + i) % WRONG_DATA_WINDOWS) * seq_len for i in range(len(starts))]
+            taken[0] += len(starts)
+            return out
+
+        return fixed
 
     def _random_direction(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._direction is None:  # fixed across rounds: a consistent push is the strongest

@@ -125,3 +125,20 @@ def gated(rating: Rating, rule: RatingRule) -> bool:
 def to_ban(rating: Rating, rule: RatingRule) -> bool:
     """Whether the peer has failed clearly and repeatedly enough to be banned like any liar."""
     return rating.failures >= rule.ban_after
+
+
+Verdict = tuple[int, str, str, bool]  # (outer step, scorer, target, passed)
+
+
+def ratings(verdicts: list[Verdict], rule: RatingRule) -> dict[str, Rating]:
+    """Every scored peer's rating from the verdicts accepted so far, folded in the order of their outer
+    steps (ties: scorer, then target), so that the same verdicts give the same ratings on every peer. Several
+    verdicts on one peer at one step count as one: a pass only when most of them pass."""
+    by_step: dict[tuple[int, str], list[bool]] = {}
+    for step, _scorer, target, passed in sorted(set(verdicts)):
+        by_step.setdefault((step, target), []).append(passed)
+    out: dict[str, Rating] = {}
+    for (_step, target), passes in sorted(by_step.items()):
+        verdict = Score(0.0, 0.0, sum(passes) * 2 > len(passes))
+        out[target] = rated(out.get(target, new_rating(rule)), verdict, rule)
+    return out
