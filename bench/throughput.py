@@ -1,15 +1,14 @@
 """Throughput of one peer vs a bare torch loop on the same model and batch, and of each preset.
 
-    .venv/bin/python bench/throughput.py [--steps 60] [--presets tiny,small,124m] [--peer | --only-peer]
+    .venv/bin/python bench/throughput.py [--steps 60] [--presets tiny,small,124m] [--peer]
 
 The trainer is compared with the bare loop on AdamW (what the bare loop runs); then the trainer with Muon
 (`trainer.optimizer = muon`, the tiny config's default) and with AdamW alternate, for the cost of Muon's step.
 
 Measured side by side in one run (this machine is noisy): the bare loop and the daemon's trainer
 alternate, several times, and the ratio is taken per pair. With `--peer`, a real `dilocod join`
-process (alone, no bootstrap, AdamW like the bare loop) runs too, once without overlap and once with
-`outer.overlap = delayed`: its tokens/s between rounds (its own inner steps' rate) and over whole rounds
-(tokens trained ÷ wall time) are compared with a bare loop run right before and after it.
+process (alone, no bootstrap) runs too and its reported tokens/s is compared with a bare loop run
+right before and after it.
 """
 
 from __future__ import annotations
@@ -68,42 +67,40 @@ def trainer_loop(preset: str, batch: int, seq: int, steps: int, optimizer: str =
     return stats.tokens / stats.seconds
 
 
-def _status(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5) as r:
-        return dict(json.loads(r.read()))
-
-
-def peer_tokens_per_second(seconds: float, overlap: str = "none") -> tuple[float, float]:
-    """Run a lone `dilocod join` for `seconds`: its own tokens/s between rounds (the inner steps' rate in
-    /api/status) and over whole rounds (tokens trained ÷ wall time, over the run's second half).
-
-    AdamW, like the bare loop (the tiny config's Muon costs 1.16× a step by itself)."""
+def peer_tokens_per_second(seconds: float) -> float:
+    """Run a lone `dilocod join` for `seconds` and read its own tokens/s from /api/status."""
     port = 18777
     with tempfile.TemporaryDirectory() as run_dir:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dilocod", "join", "--config", "configs/tiny.toml", "--run-dir", run_dir,
              "--host", "127.0.0.1", "--http-port", str(port), "--set", "averaging.matchmaking_timeout=3",
-             "--set", "averaging.min_matchmaking_time=1", "--set", "trainer.inner_steps=50",
-             "--set", "trainer.optimizer=adamw", "--set", f"outer.overlap={overlap}"],
+             "--set", "averaging.min_matchmaking_time=1", "--set", "trainer.inner_steps=50"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            time.sleep(seconds / 2)
-            first, t0 = _status(port), time.monotonic()
-            time.sleep(seconds / 2)
-            last, t1 = _status(port), time.monotonic()
+            time.sleep(seconds)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5) as r:
+                status = json.loads(r.read())
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    whole = (last["tokens_trained"] - first["tokens_trained"]) / (t1 - t0)
-    return float(last["tokens_per_second"]), whole
+    return float(status["tokens_per_second"])
 
 
-def compare_trainer(steps: int, repeats: int) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--presets", default="tiny,small,124m")
+    parser.add_argument("--peer", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
     ratios, bare, ours = [], [], []
-    for _ in range(repeats):
-        b = bare_loop("tiny", 16, 128, steps)
-        t = trainer_loop("tiny", 16, 128, steps)
+    for _ in range(args.repeats):
+        b = bare_loop("tiny", 16, 128, args.steps)
+        t = trainer_loop("tiny", 16, 128, args.steps)
         bare.append(b)
         ours.append(t)
         ratios.append(t / b)
@@ -113,58 +110,30 @@ def compare_trainer(steps: int, repeats: int) -> None:
         f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})"
     )
     muon, adamw = [], []
-    for _ in range(repeats):
-        muon.append(trainer_loop("tiny", 16, 128, steps, "muon"))
-        adamw.append(trainer_loop("tiny", 16, 128, steps, "adamw"))
+    for _ in range(args.repeats):
+        muon.append(trainer_loop("tiny", 16, 128, args.steps, "muon"))
+        adamw.append(trainer_loop("tiny", 16, 128, args.steps, "adamw"))
     pairs = [a / m for m, a in zip(muon, adamw, strict=True)]
     print(
         f"tiny, batch 16×128: trainer with Muon {statistics.median(muon):,.0f} tok/s, with AdamW "
         f"{statistics.median(adamw):,.0f} tok/s: Muon's step takes {statistics.median(pairs):.3f}× AdamW's "
         f"(pairs: {', '.join(f'{r:.3f}' for r in pairs)})"
     )
-
-
-def compare_peer(steps: int, seconds: float) -> None:
-    """A lone peer without overlap and with `delayed`, each between two bare loops."""
-    for overlap in ("none", "delayed"):
-        before = bare_loop("tiny", 16, 128, steps)
-        between, whole = peer_tokens_per_second(seconds, overlap)
-        after = bare_loop("tiny", 16, 128, steps)
-        bare_mean = (before + after) / 2
+    if args.peer:
+        before = bare_loop("tiny", 16, 128, args.steps)
+        peer = peer_tokens_per_second(45)
+        after = bare_loop("tiny", 16, 128, args.steps)
         print(
-            f"lone `dilocod join` peer (AdamW, overlap {overlap}): {between:,.0f} tok/s between rounds, "
-            f"{whole:,.0f} over whole rounds, vs bare loop {before:,.0f}/{after:,.0f} "
-            f"(ratios {between / bare_mean:.3f}, {whole / bare_mean:.3f})"
+            f"lone `dilocod join` peer: {peer:,.0f} tok/s vs bare loop {before:,.0f}/{after:,.0f} "
+            f"(ratio {peer / ((before + after) / 2):.3f})"
         )
-
-
-def presets(names: str, steps: int) -> None:
     print("\npreset  params        batch×seq  tokens/s (CPU train step)")
-    for preset in names.split(","):
+    for preset in args.presets.split(","):
         params = count_params(build_model(ModelConfig(preset), seed=0))
         batch, seq = (16, 128) if preset == "tiny" else (4, 128)
-        n = max(2, steps // (1 if preset == "tiny" else 10 if preset == "small" else 30))
-        tps = trainer_loop(preset, batch, seq, n)
+        steps = max(2, args.steps // (1 if preset == "tiny" else 10 if preset == "small" else 30))
+        tps = trainer_loop(preset, batch, seq, steps)
         print(f"{preset:7s} {params:>13,}  {batch}×{seq:<6d}  {tps:,.0f}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--presets", default="tiny,small,124m")
-    parser.add_argument("--peer", action="store_true")
-    parser.add_argument("--peer-seconds", type=float, default=60.0, help="each lone peer's run")
-    parser.add_argument("--only-peer", action="store_true", help="the peer rows alone (implies --peer)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if not args.only_peer:
-        compare_trainer(args.steps, args.repeats)
-    if args.peer or args.only_peer:
-        compare_peer(args.steps, args.peer_seconds)
-    if not args.only_peer:
-        presets(args.presets, args.steps)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ class OuterOptimizer:
 
     def pin_memory(self) -> None:
         """Keep θ_global in page-locked memory (for a CUDA trainer): its copies to the GPU after each round
-        then run as DMA without stalling it. Each new θ_global tensor is pinned in turn (`_replace`). The
+        then run as DMA without stalling it. Updates happen in place, so the pages stay pinned. The
         momentum never leaves the host and stays pageable."""
         self.params = [p.pin_memory() for p in self.params]
 
@@ -132,20 +132,17 @@ class OuterOptimizer:
 
         With `indices` (a Streaming DiLoCo fragment), `averaged_delta` holds those tensors only, and only
         their θ and momentum move; the step counter counts such fragment rounds too.
-
-        Each updated tensor is a new one that replaces the old in `params` and `momentum`, never an
-        in-place write: whoever holds the old ones (the snapshot served to re-syncing peers, a checkpoint
-        being written) keeps a consistent state without a copy of its own.
         """
-        chosen = list(range(len(self.params))) if indices is None else list(indices)
-        self._check_shapes(averaged_delta, [self.params[i] for i in chosen])
+        chosen = range(len(self.params)) if indices is None else indices
+        params = [self.params[i] for i in chosen]
+        momentum = [self.momentum[i] for i in chosen]
+        self._check_shapes(averaged_delta, params)
         mu, lr = self.cfg.momentum, self.cfg.lr
-        for i, delta in zip(chosen, averaged_delta):
+        for param, buf, delta in zip(params, momentum, averaged_delta):
             delta = delta.to(torch.float32)
-            buf = torch.add(torch.mul(self.momentum[i], mu), delta)
+            buf.copy_(torch.add(torch.mul(buf, mu), delta))
             direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
-            self.params[i] = _like(torch.sub(self.params[i], torch.mul(direction, lr)), self.params[i])
-            self.momentum[i] = buf
+            param.copy_(torch.sub(param, torch.mul(direction, lr)))
         self.step += 1
         self.sha256 = global_sha256(self.params)
 
@@ -161,14 +158,7 @@ class OuterOptimizer:
         for own, new in zip([*self.params, *self.momentum], tensors):
             if own.shape != new.shape:
                 raise ValueError(f"state shape mismatch: {tuple(new.shape)} vs {tuple(own.shape)}")
-        params, momentum = tensors[:n], tensors[n:]
-        # New tensors, not in-place writes, for the same reason as in `apply`.
-        self.params[:] = [_like(t.to(torch.float32, copy=True), own) for t, own in zip(params, self.params)]
-        self.momentum[:] = [t.to(torch.float32, copy=True) for t in momentum]
+        for own, new in zip([*self.params, *self.momentum], tensors):
+            own.copy_(new.to(torch.float32))
         self.step = int(step)
         self.sha256 = global_sha256(self.params)
-
-
-def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """`new` in page-locked memory if the θ_global tensor it replaces was (`pin_memory`)."""
-    return new.pin_memory() if old.is_pinned() else new

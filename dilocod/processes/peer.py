@@ -1,8 +1,8 @@
 """The peer daemon (`dilocod join`): one asyncio loop owns the node; training runs in one worker thread.
 
 Life cycle (`startup → main_loop → shutdown`):
-- startup: start the DHT and the averager (`netstart.py`; first, so that their forks share none of
-  the model's memory), resume from the run dir's checkpoint (if any), build the trainer, serve HTTP, wire the round driver (`dilocod/rounds/`) to the parts it
+- startup: resume from the run dir's checkpoint (if any), build the trainer, start the DHT and the
+  averager (`netstart.py`), serve HTTP, wire the round driver (`dilocod/rounds/`) to the parts it
   needs, start the status heartbeat;
 - main loop: the round driver: get in step with the run, train until the run's clock closes each round,
   average, apply, re-sync when the run went on without us;
@@ -13,7 +13,6 @@ Life cycle (`startup → main_loop → shutdown`):
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
-from dilocod.trainer.lm import parameter_template
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
@@ -119,17 +117,6 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         await self._start_http()  # first: /api/status shows a dataset download (`data_fetch`)
         self.cfg = await self._dataset()
-        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
-        # The network first: hivemind forks its DHT and averager processes from this one, and a fork
-        # keeps every page we hold at that moment. Forked after the model was built, the two children
-        # each kept the pre-fork working copy, θ_global and any checkpoint we had read once we wrote or
-        # freed ours (copy-on-write): 8+ bytes a parameter for nothing. The averager needs only shapes.
-        template = parameter_template(self.cfg.model)
-        self.network = await start_network(
-            self.cfg, self.args.run_dir, self.args.initial_peers, template, self._serve_state,
-            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
-            link=link, check_reducers=self.adversary.checks_reducers,
-        )  # fmt: skip
         opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
             log.warning("%s", note)
@@ -138,21 +125,23 @@ class PeerDaemon:
             self.cfg = await ensure_init(
                 self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
             )
+        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         partial = self.feed.partial_copy(self.cfg)
-        build = functools.partial(
-            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial
+        resumed = await loop.run_in_executor(
+            self.pool,
+            lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial),
         )
-        del checkpoint, opened  # once restored, its tensors are garbage
-        resumed = await loop.run_in_executor(self.pool, build)
-        del build
-        if [p.shape for p in resumed.outer.params] != [t.shape for t in template]:
-            raise RuntimeError("the averager's tensors do not match the model's parameters")
         self.resumed = resumed
         self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
         window_map = self.adversary.windows(self.cfg.trainer.seq_len)
         if window_map is not None:
             resumed.trainer.window_map = window_map
+        self.network = await start_network(
+            self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
+            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
+            link=link, check_reducers=self.adversary.checks_reducers,
+        )  # fmt: skip
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
         if not self.network.client:  # a newcomer given our address takes the run's manifest from us
             await self.network.node.serve_manifest(self.manifests.blob)
