@@ -75,6 +75,9 @@ class PartsResult:
     donors: list[str] = field(default_factory=list)  # the donors that declared the agreed snapshot
     parts_from: Counter[str] = field(default_factory=Counter)  # donor → parts it delivered that were kept
     liars: list[tuple[str, str]] = field(default_factory=list)  # (donor, why)
+    # donors whose head most others contradict → the metadata they declared (the caller holds it to the
+    # run's records: a θ hash nobody reported is a lie; one round behind or ahead is not)
+    outvoted: dict[str, bytes] = field(default_factory=dict)
     resumed: int = 0  # parts kept from an earlier, cut download
     error: str | None = None
 
@@ -116,6 +119,7 @@ class PartsDownload:
         agreed, agreeing = agreed_digests(declared)
         if agreed is None:
             return PartsResult(error=f"the {len(heads)} donors do not agree on a state")
+        outvoted = {donor: heads[donor][0]["meta"] for donor in heads if donor not in agreeing}
         head, layout = heads[agreeing[0]]
         expected = tuple(agreed[1:])
         partial = self._buffer(layout, expected)
@@ -123,7 +127,7 @@ class PartsDownload:
             split_parts(layout.total, layout.part_bytes), expected, _slots(agreeing),
             max_failures=self.max_failures, done=resumed_parts(partial.stored, expected),
         )  # fmt: skip
-        result = PartsResult(donors=list(agreeing), resumed=len(plan.done))
+        result = PartsResult(donors=list(agreeing), resumed=len(plan.done), outvoted=outvoted)
         snapshots = {donor: heads[donor][0]["snapshot"] for donor in agreeing}
         # Twice a part's share of the whole download's time (each donor sends IN_FLIGHT at once), but at
         # most half of it: a stalled part must leave time to fetch it again from another donor.

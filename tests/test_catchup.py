@@ -8,6 +8,7 @@ from typing import Any
 from dilocod.statesync.ledger import (
     LIE,
     SPLIT,
+    declared_lie,
     expected_hash,
     minority_holders,
     remember_hashes,
@@ -74,6 +75,9 @@ def test_a_donor_that_holds_a_minority_theta_it_reports_is_skipped_not_called_a_
     ]
     for donor, served, verdict in table:
         assert served_verdict(seen, 4, donor, served, A) == verdict, donor
+    # A head outvoted by the other donors' is held to the same records before anything is downloaded.
+    assert [declared_lie(seen, 4, d, served) for d, served, _ in table] == [None, None, LIE, LIE]
+    assert declared_lie(seen, 5, "ahead", C) is None  # a round ahead of every record: nothing to hold it to
     assert minority_holders(seen) == ["split"]  # not worth a download
     remember_hashes(seen, [record("split", 4, A)])  # it re-synced to the run's θ
     assert minority_holders(seen) == []

@@ -24,7 +24,13 @@ import torch
 
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress, rebase
-from dilocod.statesync.ledger import expected_hash, minority_holders, remember_hashes, served_verdict
+from dilocod.statesync.ledger import (
+    declared_lie,
+    expected_hash,
+    minority_holders,
+    remember_hashes,
+    served_verdict,
+)
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import InnerTrainer
 from dilocod.trust.adversary import Adversary
@@ -190,6 +196,7 @@ class StateSync:
             if fetched.liars:  # a part whose bytes miss the digest its donor declared: banned at once
                 await self._punish(fetched.liars)
                 tried.extend(d for d, _ in fetched.liars)
+            await self._hold_outvoted(fetched.outvoted, tried)
             if fetched.state is not None or fetched.resumable:
                 return fetched.state, fetched.donors, fetched.resumable
         downloaded = await self.group.download_state(
@@ -213,6 +220,27 @@ class StateSync:
         while True:
             await asyncio.sleep(self.cfg.net.status_interval)
             await self.others()
+
+    async def _hold_outvoted(self, outvoted: dict[str, bytes], tried: list[str]) -> None:
+        """Donors whose head most others contradict are not asked for parts; one that declared a θ_global
+        the run's records contradict at its step lies (a `bad_donor`), and is refused and punished as if
+        its whole state had been downloaded. One a round ahead or behind, or of a split group, is not."""
+        liars: list[tuple[str, str]] = []
+        for donor, blob in outvoted.items():
+            problem = self._outvoted_lie(donor, blob)
+            if problem is not None:
+                log.warning("refused state from %s: %s", donor, problem)
+                liars.append((donor, f"served state that was refused: {problem}"))
+                tried.append(donor)
+        if liars:
+            await self._punish(liars)
+
+    def _outvoted_lie(self, donor: str, blob: bytes) -> str | None:
+        try:
+            meta = decode_state_meta(blob)
+        except ProtoError as e:
+            return f"bad metadata: {e}"
+        return declared_lie(self.seen, meta["outer_step"], donor, meta["global_sha256"])
 
     async def _verify(self, downloaded: DownloadedState, min_step: int) -> tuple[str, bool] | None:
         """None if the state may be adopted, else (why not, whether that proves the donor lied)."""

@@ -65,6 +65,16 @@ def served_verdict(
     return LIE, True
 
 
+def declared_lie(seen: dict[int, dict[str, str]], step: int, donor: str, declared: str) -> str | None:
+    """Why a θ hash a donor declared at `step` (in a state head, before any download) proves a lie, or None:
+    held to the records as if served (`served_verdict`); no records for the step, or a split, prove nothing."""
+    agreed = expected_hash(seen, step, donor)
+    if agreed is None:
+        return None
+    verdict = served_verdict(seen, step, donor, declared, agreed)
+    return verdict[0] if verdict is not None and verdict[1] else None
+
+
 def minority_holders(seen: dict[int, dict[str, str]]) -> list[str]:
     """Peers whose latest reported θ hash is outvoted at that step, their own report counted (a tie holds
     nobody): their state would be refused (`served_verdict`), so a re-syncing peer does not spend a

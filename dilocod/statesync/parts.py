@@ -36,6 +36,7 @@ class Fetched:
     donors: list[str] = field(default_factory=list)  # the donors that declared the state we got
     liars: list[tuple[str, str]] = field(default_factory=list)
     resumable: bool = False  # donors described a state but it did not all arrive: the next try resumes it
+    outvoted: dict[str, bytes] = field(default_factory=dict)  # donor → the metadata most others contradict
 
 
 class PartsSource:
@@ -58,7 +59,7 @@ class PartsSource:
         self.on_status({"active": False, "seconds": round(seconds, 3), "error": result.error})
         if result.meta is None:
             log.warning("state download from %d donors unfinished: %s", len(result.donors), result.error)
-            return Fetched(liars=result.liars, resumable=bool(result.donors))
+            return Fetched(liars=result.liars, resumable=bool(result.donors), outvoted=result.outvoted)
         log.info(
             "downloaded the state (%d bytes) in %.1f s from %d donors: %s%s",
             sum(t.numel() * 4 for t in result.tensors), seconds, len(result.donors),
@@ -66,7 +67,7 @@ class PartsSource:
             f" ({result.resumed} parts kept from a cut download)" if result.resumed else "",
         )  # fmt: skip
         state = DownloadedState(result.donors[0], -1.0, result.meta, result.tensors)
-        return Fetched(state, result.donors, result.liars)
+        return Fetched(state, result.donors, result.liars, outvoted=result.outvoted)
 
     def _progress(self, progress: dict[str, Any]) -> None:
         now = time.monotonic()
