@@ -116,7 +116,9 @@ class PartsDownload:
         if not heads:
             return PartsResult(error="no donor described its state")
         declared = {donor: (_key(head), *head["digests"]) for donor, (head, _) in heads.items()}
-        agreed, agreeing = agreed_digests(declared)
+        agreed, agreeing = agreed_digests(
+            declared, {donor: _newness(head) for donor, (head, _) in heads.items()}
+        )
         if agreed is None:
             return PartsResult(error=f"the {len(heads)} donors do not agree on a state")
         outvoted = {donor: heads[donor][0]["meta"] for donor in heads if donor not in agreeing}
@@ -275,6 +277,15 @@ def _key(head: dict[str, Any]) -> str:
     meta.pop("time", None)
     fields = sorted((k, repr(v)) for k, v in meta.items())
     return repr((fields, head["part_bytes"], head["total_bytes"], tuple(head["shapes"])))
+
+
+def _newness(head: dict[str, Any]) -> tuple[int, ...]:
+    """How new a donor's state is: its outer step, then whether it holds the round in flight."""
+    try:
+        meta = decode_state_meta(head["meta"])
+        return (int(meta.get("outer_step", -1)), int(meta.get("pending_tensors", 0)))
+    except (ProtoError, TypeError, ValueError):
+        return (-1,)
 
 
 def _tensors(buffer: bytearray, layout: Layout) -> list[torch.Tensor]:

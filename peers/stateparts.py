@@ -5,8 +5,8 @@ time. Split into parts, the same state comes from every donor at once, so its ti
 about its size ÷ the donors' summed upload rates, and a cut download keeps the parts it has. Each part is
 checked against its expected sha256 as it arrives:
 
-- the expected digests are the list most donors at the wanted step declare (`agreed_digests`): a donor
-  that declares another list is not asked (it may hold another state; the whole θ_global is still checked
+- the expected digests are the list most donors declare, the newest state on a tie (`agreed_digests`):
+  a donor that declares another list is not asked (it may hold another state; the whole θ_global is still checked
   against the run's reported hash once every part is in);
 - a part whose bytes do not match is a lie (the donor declared one digest and sent other bytes): the
   donor is banned, every part it was fetching goes back to the queue, and the part is fetched from
@@ -48,15 +48,22 @@ def split_parts(total_bytes: int, part_bytes: int = DEFAULT_PART_BYTES) -> list[
 
 
 def agreed_digests(
-    declared: Mapping[str, Sequence[str]],
+    declared: Mapping[str, Sequence[str]], newness: Mapping[str, tuple[int, ...]] | None = None
 ) -> tuple[tuple[str, ...] | None, list[str]]:
-    """The part digests most donors declare (None on a tie or with no donor), and the donors that declared
-    them: with no majority there is nothing to hold a donor to, so the plan cannot start."""
+    """The part digests most donors declare, and the donors that declared them. On a tie in donors the
+    newest state wins (`newness[donor]`: its outer step, then its tensors of the round in flight): in a
+    moving run two honest donors a round apart declare different states, and the newer is the one the
+    run's records will ask for. None on a tie at equal newness or with no donor: there is nothing to
+    hold a donor to, so the plan cannot start."""
     counts = Counter(tuple(digests) for digests in declared.values())
-    ranked = counts.most_common(2)
-    if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
+    if not counts:
         return None, []
-    winner = ranked[0][0]
+    rank = {tuple(digests): (newness or {}).get(donor, ()) for donor, digests in declared.items()}
+    top = max(counts.values())
+    tied = sorted((rank[d], d) for d, n in counts.items() if n == top)
+    if len(tied) > 1 and tied[-1][0] == tied[-2][0]:
+        return None, []
+    winner = tied[-1][1]
     return winner, sorted(donor for donor, digests in declared.items() if tuple(digests) == winner)
 
 

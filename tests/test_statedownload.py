@@ -156,6 +156,14 @@ def test_donors_of_another_state_are_not_asked_and_a_tie_downloads_nothing() -> 
     assert not result.ok and "do not agree" in (result.error or "") and not tie.asked
 
 
+def test_of_two_donors_a_round_apart_the_newer_state_is_downloaded() -> None:
+    older, newer = state(seed=1, step=6), state(seed=2, step=7)
+    fake = FakeDonors({"behind": older, "ahead": newer}, {})
+    result = asyncio.run(download(fake).download(["behind", "ahead"], timeout=30))
+    assert result.ok and same(result.tensors, newer[1]) and result.donors == ["ahead"]
+    assert "behind" not in fake.asked and set(result.outvoted) == {"behind"}
+
+
 def test_a_donor_declaring_more_than_our_model_holds_is_not_asked() -> None:
     meta, tensors = state()
     fake = FakeDonors({"a": (meta, tensors)}, {})

@@ -28,6 +28,36 @@ def test_the_digests_most_donors_declare_and_who_declared_them() -> None:
     assert agreed_digests({}) == (None, [])
 
 
+OTHER = ("y", "e1", "e2", "e3")
+
+
+@pytest.mark.parametrize(
+    ("declared", "newness", "expected"),
+    [
+        # a donor a round ahead of another: both honest, the newer state is the one the run moves to
+        ({"a": DIGESTS, "b": OTHER}, {"a": (5, 0), "b": (6, 0)}, (OTHER, ["b"])),
+        ({"a": DIGESTS, "b": OTHER}, {"a": (6, 0), "b": (5, 0)}, (DIGESTS, ["a"])),
+        # the same step, one holding the round in flight (delayed overlap): that one is newer
+        ({"a": DIGESTS, "b": OTHER}, {"a": (6, 3), "b": (6, 0)}, (DIGESTS, ["a"])),
+        # two donors agreeing outvote a newer one (it may lie about its step; the records judge it)
+        (
+            {"a": DIGESTS, "b": DIGESTS, "c": OTHER},
+            {"a": (5, 0), "b": (5, 0), "c": (9, 0)},
+            (DIGESTS, ["a", "b"]),
+        ),
+        # the same step and the same newness, other bytes: nothing to hold anyone to
+        ({"a": DIGESTS, "b": OTHER}, {"a": (6, 0), "b": (6, 0)}, (None, [])),
+        ({"a": DIGESTS, "b": OTHER}, None, (None, [])),
+    ],
+)
+def test_a_tie_goes_to_the_newest_state(
+    declared: dict[str, tuple[str, ...]],
+    newness: dict[str, tuple[int, ...]] | None,
+    expected: tuple[tuple[str, ...] | None, list[str]],
+) -> None:
+    assert agreed_digests(declared, newness) == expected
+
+
 def test_every_donor_fetches_its_own_part_at_once() -> None:
     p = plan(["a", "b", "c"])
     assert [(d, part.index) for d, part in p.assign()] == [("a", 0), ("b", 1), ("c", 2)]
