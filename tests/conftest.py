@@ -27,6 +27,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed swarm test shows every process's log tail: a timing failure in CI says why it happened."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for name in ("swarm", "module_swarm"):
+        make = getattr(item, "funcargs", {}).get(name)
+        for i, s in enumerate(getattr(make, "made", [])):
+            report.sections.append((f"log tails of {name} {i}", s.log_tails(2500)))
+
+
 def _swarm_factory(root: Path) -> tuple[Callable[..., Swarm], list[Swarm]]:
     made: list[Swarm] = []
 
@@ -39,6 +52,7 @@ def _swarm_factory(root: Path) -> tuple[Callable[..., Swarm], list[Swarm]]:
             s.add_peer()
         return s
 
+    make.made = made  # type: ignore[attr-defined]  # for the failure report's log tails
     return make, made
 
 

