@@ -127,7 +127,9 @@ def test_mean_is_wrecked_by_sign_flip(clean: list[dict[str, Any]], tmp_path: Pat
             raise AssertionError(f"{e}\n{s.log_tails()}") from None
         step = min(step for step in evaluated(statuses) & evaluated(clean) if step >= first)
         loss, reference = eval_at(statuses, step), eval_at(clean, step)
-        assert math.isnan(loss) or loss > 1.5 * reference, (
+        # Wrecked: 1.5× the clean run's loss, or worse than the untrained byte model (ln 256) where the
+        # attacker's first round is the run's first, whose clean loss is still near it (seen: 6.20 vs 4.51).
+        assert math.isnan(loss) or loss > min(1.5 * reference, math.log(256)), (
             f"mean + sign_flip at step {step} (the attacker's first round: {first}): {loss:.4f} vs clean {reference:.4f}"
         )
     finally:
