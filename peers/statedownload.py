@@ -115,10 +115,9 @@ class PartsDownload:
         heads = await self._heads(list(donors)[:MAX_DONORS])
         if not heads:
             return PartsResult(error="no donor described its state")
-        declared = {donor: (_key(head), *head["digests"]) for donor, (head, _) in heads.items()}
-        agreed, agreeing = agreed_digests(
-            declared, {donor: _newness(head) for donor, (head, _) in heads.items()}
-        )
+        described = {donor: _describe(head) for donor, (head, _) in heads.items()}
+        declared = {donor: (key, *heads[donor][0]["digests"]) for donor, (key, _) in described.items()}
+        agreed, agreeing = agreed_digests(declared, {donor: new for donor, (_, new) in described.items()})
         if agreed is None:
             return PartsResult(error=f"the {len(heads)} donors do not agree on a state")
         outvoted = {donor: heads[donor][0]["meta"] for donor in heads if donor not in agreeing}
@@ -268,24 +267,17 @@ def _donor(slot: str) -> str:
     return slot.rsplit("#", 1)[0]
 
 
-def _key(head: dict[str, Any]) -> str:
-    """What two donors' heads must share to be the same state: the metadata but its time, and the layout."""
+def _describe(head: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+    """What two donors' heads must share to be the same state (the metadata but its time, and the layout),
+    and how new that state is (its outer step, then whether it holds the round in flight)."""
     try:
         meta = decode_state_meta(head["meta"])
-    except ProtoError:
-        return "bad metadata"
+        newness = (int(meta.get("outer_step", -1)), int(meta.get("pending_tensors", 0)))
+    except (ProtoError, TypeError, ValueError):
+        return "bad metadata", (-1,)
     meta.pop("time", None)
     fields = sorted((k, repr(v)) for k, v in meta.items())
-    return repr((fields, head["part_bytes"], head["total_bytes"], tuple(head["shapes"])))
-
-
-def _newness(head: dict[str, Any]) -> tuple[int, ...]:
-    """How new a donor's state is: its outer step, then whether it holds the round in flight."""
-    try:
-        meta = decode_state_meta(head["meta"])
-        return (int(meta.get("outer_step", -1)), int(meta.get("pending_tensors", 0)))
-    except (ProtoError, TypeError, ValueError):
-        return (-1,)
+    return repr((fields, head["part_bytes"], head["total_bytes"], tuple(head["shapes"]))), newness
 
 
 def _tensors(buffer: bytearray, layout: Layout) -> list[torch.Tensor]:
