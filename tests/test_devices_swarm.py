@@ -3,6 +3,7 @@ peer. The node is one peer to the run; its worker process lives and dies with it
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -51,11 +52,14 @@ def metric(text: str, name: str) -> float:
     return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
 
 
-def test_two_device_node_is_one_peer_and_its_worker_dies_with_it(swarm: Callable[..., Swarm]) -> None:
+def test_two_device_node_is_one_peer_and_its_worker_dies_with_it(
+    swarm: Callable[..., Swarm], tmp_path: Path
+) -> None:
     # No auxiliary reducer: a peer that met only the bootstrap would advance "alone" and leave the other
     # re-syncing behind it; without one, the two peers only ever advance together.
     s = swarm(0, bootstrap=False)
-    s.start_bootstrap("dilocod", "--no-reduce")
+    boot_dir = tmp_path / "boot"  # the run's chunk book (chunks.json) is kept there
+    s.start_bootstrap("dilocod", "--no-reduce", "--run-dir", str(boot_dir))
     node = s.add_peer("trainer.devices=2")  # what `dilocod join --devices 2` sets
     s.add_peer()  # an ordinary one-device peer
     first = s.wait_serving(node)
@@ -88,6 +92,10 @@ def test_two_device_node_is_one_peer_and_its_worker_dies_with_it(swarm: Callable
     )
     assert sorted(p["peer_id"] for p in run) == sorted([node_status["peer_id"], plain_status["peer_id"]])
 
+    # The node's whole batch, both ranks', comes from its chunk leases.
+    before_stop = node.status()
+    assert before_stop["data_schedule"]["unscheduled_batches"] == 0, before_stop["data_schedule"]
+
     # SIGTERM: a graceful stop that also stops the worker.
     node.signal(signal.SIGTERM)
     assert node.wait(timeout=40) == 0
@@ -105,3 +113,15 @@ def test_two_device_node_is_one_peer_and_its_worker_dies_with_it(swarm: Callable
     started = time.monotonic()
     wait_for("the worker to exit after its node was killed", lambda: no_workers_left(workers), 10, 0.1)
     assert time.monotonic() - started < 10
+
+    # The bootstrap's book: the parts recorded as the node's cover every token both its ranks trained
+    # (its final report came with the graceful stop), and no part of a chunk was trained twice.
+    s.bootstrap.stop()
+    book = json.loads((boot_dir / "chunks.json").read_text())
+    mine = 0
+    for raw in book["epochs"].values():
+        for chunk, parts in raw["segments"].items():
+            ordered = sorted(parts, key=lambda p: p[1])
+            assert [lo for _, lo, _ in ordered] == [0, *[hi for _, _, hi in ordered[:-1]]], (chunk, parts)
+            mine += sum(hi - lo for peer, lo, hi in parts if peer == node_status["peer_id"])
+    assert before_stop["tokens_trained"] <= mine, (before_stop["tokens_trained"], mine)

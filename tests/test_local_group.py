@@ -4,6 +4,7 @@ worker process, gloo between them. Starts processes, so it is marked `integratio
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -17,8 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from dilocod.data.cursor import ChunkCursor
+from dilocod.data.local import open_corpus, open_dataset
+from dilocod.data.prepare import prepare
+from dilocod.data.schedule import Grant
+from dilocod.data.shards import load_index
+from dilocod.observability.peerstate import PeerState
+from dilocod.processes.shardfetch import LazyShards
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, LocalGroupError, ModelConfig, TrainerConfig
-from dilocod.trainer.data import ShardSampler
+from dilocod.trainer.data import PresentSampler, ShardSampler
 from dilocod.trainer.local import params_sha256
 
 pytestmark = pytest.mark.integration
@@ -124,6 +132,68 @@ def test_micro_batches_in_a_local_group(
     trainer = make_trainer(data, replace(CFG, micro_batch_size=CFG.batch_size // 2))  # the worker's too
     group = start_group(trainer)
     assert_ranks_follow_one_process(trainer, group, both_ranks_in_one(data), steps=3)
+
+
+def leased(trainer: InnerTrainer, *grants: Grant) -> ChunkCursor:
+    cursor = ChunkCursor(CFG.seq_len, seed="ds")
+    cursor.adopt(list(grants))
+    trainer.cursor = cursor
+    return cursor
+
+
+def test_a_scheduled_node_trains_its_leases_on_every_rank(
+    data: DataConfig, start_group: Callable[[InnerTrainer], LocalGroup]
+) -> None:
+    """With the run's chunk schedule, the node's whole batch comes from its leases: rank 0 takes twice a
+    rank's windows and sends rank 1 its half, so the node trains what one process would on the same
+    leases with a batch of twice the size, and the parts its tickets name cover every token both ranks
+    trained."""
+    chunks = (Grant(0, 0, 0, 4096, 0), Grant(0, 1, 4096, 4096, 0))
+    trainer = make_trainer(data)
+    group = start_group(trainer)
+    cursor = leased(trainer, *chunks)
+    ref = make_trainer(data, replace(CFG, devices=1, batch_size=2 * CFG.batch_size))
+    ref_cursor = leased(ref, *chunks)
+    steps = 5
+    assert_ranks_follow_one_process(trainer, group, ref, steps=steps)
+    assert trainer.unscheduled_batches == ref.unscheduled_batches == 0
+    assert cursor.windows_taken == ref_cursor.windows_taken == steps * 2 * CFG.batch_size
+    parts = cursor.drain()
+    assert parts == ref_cursor.drain()
+    assert sum(p.hi - p.lo for p in parts) == steps * trainer.tokens_per_step
+
+
+def test_a_worker_of_a_joiner_with_a_partial_copy_trains_on_what_rank_0_sends(
+    tmp_path: Path, start_group: Callable[[InnerTrainer], LocalGroup]
+) -> None:
+    """A joiner's copy lacks training shards it has not needed yet: the worker still starts (it reads no
+    training shard), trains the scheduled windows rank 0 sends, and, once the leases run dry, the
+    random windows rank 0 draws for it from the shards this machine holds."""
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(12):
+        (text / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    out = tmp_path / "ds"
+    prepare([text], "byte", out, eval_fraction=0.2, shard_tokens=4096, progress=False)
+    index = load_index(out)
+    for info in index.train.shards[1:3]:
+        (out / info.file).unlink()
+    data = DataConfig(path=str(out))
+    lazy = LazyShards(out, open_dataset(out, partial=True), PeerState())
+    trainer = InnerTrainer(
+        ModelConfig("tiny"), data, CFG, seed=0, peer_key="node", corpus=open_corpus(data, partial=True)
+    )
+    trainer.sampler = PresentSampler(
+        trainer.train_source, lazy.present_ranges, seed=0, peer_key="node",
+        batch_size=CFG.batch_size, seq_len=CFG.seq_len,
+    )  # fmt: skip
+    group = start_group(trainer)
+    leased(trainer, Grant(0, 0, 0, 512, 0))  # 15 windows: one node step, then none
+    for _ in range(3):
+        assert math.isfinite(trainer.train_steps(1).mean_loss)
+        assert len(set(group.digests())) == 1, "ranks diverged after an inner step"
+    assert trainer.unscheduled_batches == 2
+    assert group.pids and all(alive(pid) for pid in group.pids)
 
 
 def test_loaded_and_restored_state_reaches_every_rank(

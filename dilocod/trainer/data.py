@@ -113,13 +113,15 @@ class ShardSampler:
         """Where our shard lies in the train stream (what a peer must hold of the dataset)."""
         return (self.tokens.lo, self.tokens.hi) if isinstance(self.tokens, _Range) else (0, len(self.tokens))
 
-    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) int64 [batch_size, seq_len] with y[:, i] == x[:, i + 1] (next-token targets)."""
+    def batch(self, position: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 [batch_size, seq_len] with y[:, i] == x[:, i + 1] (next-token targets), of our own
+        stream or of `stream` (rank 0 of a local group draws every rank's batch)."""
+        stream = self.stream if stream is None else stream
         # Stream 0 keeps the historical key, so a single-device peer's data order is unchanged.
         parts = (
             (self.seed, self.peer_key, position)
-            if self.stream == 0
-            else (self.seed, self.peer_key, self.stream, position)
+            if stream == 0
+            else (self.seed, self.peer_key, stream, position)
         )
         gen = torch.Generator().manual_seed(_stable_int("batch", *parts))
         high = len(self.tokens) - self.seq_len  # exclusive; keeps the +1 target inside
@@ -128,15 +130,16 @@ class ShardSampler:
 
 
 class Sampler(Protocol):
-    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) int64 [batch_size, seq_len], the batch at `position` of this peer's stream."""
+    def batch(self, position: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 [batch_size, seq_len], the batch at `position` of this peer's stream, or of its
+        local rank `stream`."""
         ...
 
 
 class PresentSampler:
     """Random windows from the parts of the train stream this machine holds (`ranges()`: token ranges
     [lo, hi)), for a joiner whose copy is partial when the chunk schedule gives it no window. Batch `position`
-    is a pure function of (seed, peer, position, the ranges held)."""
+    is a pure function of (seed, peer, local rank, position, the ranges held)."""
 
     def __init__(
         self, tokens: TokenSource, ranges: Callable[[], list[tuple[int, int]]], *, seed: int, peer_key: str,
@@ -145,12 +148,17 @@ class PresentSampler:
         self.tokens, self.ranges = tokens, ranges
         self.seed, self.peer_key, self.batch_size, self.seq_len = seed, peer_key, batch_size, seq_len
 
-    def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, position: int, stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [(lo, hi) for lo, hi in self.ranges() if hi - lo > self.seq_len]
         if not spans:
             raise DataError("no training shard of the run's dataset is on this machine yet")
         sizes = torch.tensor([hi - lo - self.seq_len for lo, hi in spans], dtype=torch.float64)
-        gen = torch.Generator().manual_seed(_stable_int("present", self.seed, self.peer_key, position))
+        key = (
+            (self.seed, self.peer_key, position)
+            if not stream
+            else (self.seed, self.peer_key, stream, position)
+        )
+        gen = torch.Generator().manual_seed(_stable_int("present", *key))
         picks = torch.multinomial(sizes, self.batch_size, replacement=True, generator=gen).tolist()
         starts = [spans[i][0] + int(torch.randint(0, int(sizes[i]), (1,), generator=gen)) for i in picks]
         return batch_at(self.tokens, starts, self.seq_len)
@@ -169,10 +177,11 @@ def eval_batches(
     ]
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def load_corpus(cfg: DataConfig, *, partial: bool = False) -> Corpus:
     """The corpus of this machine's copy of the run's dataset (`data.path`, checked against `data.dataset`);
-    without a run (`data.dataset` unset: tests, benchmarks) the one `data.source` prepares to."""
+    without a run (`data.dataset` unset: tests, benchmarks) the one `data.source` prepares to. With
+    `partial`, training shards may be missing."""
     try:
-        return open_corpus(cfg)
+        return open_corpus(cfg, partial=partial)
     except OSError as e:
         raise DataError(f"data.source {cfg.source!r}: cannot read ({e})") from None

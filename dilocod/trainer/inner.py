@@ -41,8 +41,8 @@ class Followers(Protocol):
     Each call is a collective: every rank takes part, so rank 0 calls them only from its trainer thread.
     """
 
-    def before_step(self, step: int, data_position: int) -> None:
-        """Tell the other ranks to take the same inner step (same lr, their own batches)."""
+    def before_step(self, step: int, data_position: int, windows: Sequence[torch.Tensor]) -> None:
+        """Tell the other ranks to take the same inner step (same lr), rank r on `windows[r - 1]`."""
 
     def after_load(self) -> None:
         """Rank 0's parameters were overwritten: copy them to every rank."""
@@ -229,13 +229,18 @@ class InnerTrainer:
             logits = model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
-    def _one_step(self) -> torch.Tensor:
+    def _one_step(self, windows: torch.Tensor | None = None) -> torch.Tensor:
         if self._followers is not None:
-            self._followers.before_step(self.step, self.data_position)
+            own, *others = self._node_windows()
+            self._followers.before_step(self.step, self.data_position, others)
+            x, y = _inputs_and_targets(own)
+        elif windows is not None:  # a rank > 0 of a local group: the windows rank 0 drew for it
+            x, y = _inputs_and_targets(windows)
+        else:
+            x, y = self._next_batch()
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group may scale the schedule
-        x, y = self._next_batch()
         micro = self.cfg.micro_batch_size
         if 0 < micro < x.shape[0]:
             loss = self._accumulate(x, y, micro)
@@ -263,14 +268,36 @@ class InnerTrainer:
         """Tokens in the training split (what the run's chunk schedule cuts into chunks)."""
         return len(self._train_source)
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Ranks > 0 of a local group draw random windows: the schedule leases to the node, not to a rank.
-        if self.cursor is not None and self.rank == 0:
-            starts = self.cursor.windows(self.cfg.batch_size)
-            if starts is not None:
-                return batch_at(self._train_source, self.window_map(starts), self.cfg.seq_len)
+    def _scheduled_starts(self, n: int) -> list[int] | None:
+        """Where the next `n` windows of our chunk leases start; None when there is no schedule or the
+        leases held do not have `n` windows left (the step is then `unscheduled`)."""
+        if self.cursor is None:
+            return None
+        starts = self.cursor.windows(n)
+        if starts is None:
             self.unscheduled_batches += 1
+            return None
+        return self.window_map(starts)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self._scheduled_starts(self.cfg.batch_size)
+        if starts is not None:
+            return batch_at(self._train_source, starts, self.cfg.seq_len)
         return self.sampler.batch(self.data_position)
+
+    def _node_windows(self) -> list[torch.Tensor]:
+        """Every local rank's windows for this step (int64 [batch_size, seq_len + 1] each, rank order).
+
+        Rank 0 draws them all: the schedule leases chunks to the node, so the node's whole batch comes from
+        its leases and its round tickets name every token its ranks trained; and the workers need no
+        training shard of their own (a joiner's partial copy grows under rank 0's feet). Without a
+        scheduled batch, rank r gets the windows of its own random stream, as it would draw them itself.
+        """
+        size, ranks = self.cfg.batch_size, self.world_size
+        starts = self._scheduled_starts(size * ranks)
+        if starts is not None:
+            return list(_windows_of(*batch_at(self._train_source, starts, self.cfg.seq_len)).split(size))
+        return [_windows_of(*self.sampler.batch(self.data_position, stream=r)) for r in range(ranks)]
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
         """Forward and backward over the batch in pieces of ``micro`` sequences (`trainer.micro_batch_size`).
@@ -289,10 +316,10 @@ class InnerTrainer:
             total += loss.detach()
         return total
 
-    def follow_step(self, step: int, data_position: int) -> None:
-        """A rank > 0 of a local group takes the step rank 0 announced (same lr, its own batch)."""
+    def follow_step(self, step: int, data_position: int, windows: torch.Tensor) -> None:
+        """A rank > 0 of a local group takes the step rank 0 announced (same lr) on the windows it sent."""
         self.step, self.data_position = step, data_position
-        self._one_step()
+        self._one_step(windows)
 
     def train_steps(
         self,
@@ -421,3 +448,12 @@ class InnerTrainer:
                 raise ValueError(
                     f"trainer state is for a different model: {name} has shape {theirs[name]}, expected {shape}"
                 )
+
+
+def _windows_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The windows of `seq_len + 1` tokens that (x, y) were cut from."""
+    return torch.cat([x, y[:, -1:]], dim=1)
+
+
+def _inputs_and_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

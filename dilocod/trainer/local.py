@@ -7,9 +7,10 @@ swarm, holds θ_global and takes the outer step. Ranks 1..N-1 are worker process
 - before anything the ranks do together, rank 0 broadcasts a small command (`STEP step position`,
   `LOAD`, `SYNC`, `DIGEST`, `STOP`) over a gloo *control* group, on which a worker may wait as long as
   an outer round takes;
-- each inner step, every rank runs forward and backward on its own batch (its own stream of windows
-  from the peer's shard) and DDP averages the gradients (NCCL on CUDA, gloo on CPU) during backward,
-  so every rank applies the same update and the parameters stay bit-identical across ranks;
+- each inner step, rank 0 draws the whole node's batch (from the node's chunk leases, or each rank's
+  own random stream without one) and scatters each rank its windows over the control group; every
+  rank runs forward and backward on its own and DDP averages the gradients (NCCL on CUDA, gloo on CPU)
+  during backward, so every rank applies the same update and the parameters stay bit-identical;
 - after an outer round rank 0's new parameters are broadcast (`LOAD`); at start and after a restore,
   its whole state, optimizer moments included (`SYNC`).
 
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .data import DataConfig
+from .data import DataConfig, load_corpus
 from .inner import InnerTrainer, TrainerConfig
 from .model import ModelConfig
 
@@ -164,8 +165,11 @@ class LocalGroup:
         dist.broadcast(torch.tensor([op, a, b], dtype=torch.int64), src=0, group=self._control)
 
     # ---- the trainer's hooks (inner.Followers) --------------------------------------------------
-    def before_step(self, step: int, data_position: int) -> None:
+    def before_step(self, step: int, data_position: int, windows: Sequence[torch.Tensor]) -> None:
         self._command(OP_STEP, step, data_position)
+        # Scatter wants a slot for rank 0 as well; rank 0's own windows stay where they are.
+        mine = torch.empty_like(windows[0])
+        dist.scatter(mine, [mine, *windows], src=0, group=self._control)
 
     def after_load(self) -> None:
         self._command(OP_LOAD)
@@ -323,13 +327,16 @@ def worker_main(argv: Sequence[str]) -> int:
     # process group (a terminal's Ctrl-C, a service manager's SIGTERM) must not kill us mid-step first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    data = DataConfig(**spec.data)
     trainer = InnerTrainer(
         ModelConfig(**spec.model),
-        DataConfig(**spec.data),
+        data,
         TrainerConfig(**spec.trainer),
         seed=spec.seed,
         peer_key=spec.peer_key,
         rank=spec.rank,
+        # Rank 0 sends every training window: a joiner's copy may still lack most training shards.
+        corpus=load_corpus(data, partial=True),
     )
     store = dist.TCPStore(
         "127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT
@@ -364,7 +371,9 @@ def _follow(trainer: InnerTrainer, control: Any) -> None:
         dist.broadcast(command, src=0, group=control)
         op, a, b = (int(v) for v in command.tolist())
         if op == OP_STEP:
-            trainer.follow_step(a, b)
+            windows = torch.empty(trainer.cfg.batch_size, trainer.cfg.seq_len + 1, dtype=torch.int64)
+            dist.scatter(windows, None, src=0, group=control)
+            trainer.follow_step(a, b, windows)
         elif op == OP_LOAD:
             _broadcast_params(trainer)
         elif op == OP_SYNC:
