@@ -20,8 +20,8 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from hivemind.averaging import averager as averager_module
@@ -44,6 +44,7 @@ from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 
 log = logging.getLogger("peers.averager")
+T = TypeVar("T")
 
 # Each of the two waits of the averager's own shutdown (`RunAverager._shutdown`) lasts at most this long.
 # The host waits 3 s for all of it (`shutdown_timeout` in peers/group.py), then terminates the process, and
@@ -52,6 +53,29 @@ STOP_STEP_SECONDS = 1.0
 # How long a finished round waits for our last replies to other senders to be counted in its bytes: they
 # are encoded as our own averages arrive, so this is normally no wait at all.
 REPLIES_COUNTED_SECONDS = 1.0
+
+
+# hivemind's search for a leader re-reads the group key's averagers whenever its queue of candidates is
+# empty, and waits for nothing else: a peer alone in its group key (a lone peer; the first to reach
+# matchmaking) reads the DHT back to back for its whole matchmaking window, ~50 lookups a second that cost
+# its DHT and averager processes half a core between them (bench/throughput.py --peer, docs/benchmarks.md).
+# One read per this many seconds sees a new leader at most this late, against windows of seconds.
+LEADER_POLL_SECONDS = 0.2
+
+
+def _paced(read: Callable[..., Awaitable[T]], interval: float) -> Callable[..., Awaitable[T]]:
+    """`read`, started at most once per `interval` seconds (a call too soon waits for its turn)."""
+    next_at = 0.0
+
+    async def paced(*args: Any, **kwargs: Any) -> T:
+        nonlocal next_at
+        wait = next_at - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        next_at = time.monotonic() + interval
+        return await read(*args, **kwargs)
+
+    return paced
 
 
 class BanAwareMatchmaking(Matchmaking):
@@ -86,6 +110,9 @@ class BanAwareMatchmaking(Matchmaking):
         # after a group assembles is not used, and it fails when a group is larger than this peer's target
         # size (an auxiliary reducer can make it so).
         self.group_key_manager.update_key_on_group_assembled = _keep_group_key  # type: ignore[method-assign]
+        self.group_key_manager.get_averagers = _paced(  # type: ignore[method-assign]
+            self.group_key_manager.get_averagers, LEADER_POLL_SECONDS
+        )
 
     def _check_reasons_to_reject(self, request: Any, context: Any) -> Any:
         if context.remote_id in self.banned:
