@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dilocod.data.prepare import prepare
+from dilocod.data.shards import load_index
 from tests.conftest_netbed import netbed, wan  # noqa: F401  (the network-namespace test bed)
 from tests.harness import FAST, Swarm
 
@@ -72,3 +74,20 @@ def module_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     yield make
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def partial_dataset(tmp_path: Path) -> Path:
+    """A prepared byte dataset of several 4,096-token training shards, the second and third of which are
+    missing: a joiner's partial copy."""
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(12):
+        (text / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    out = tmp_path / "ds"
+    prepare([text], "byte", out, eval_fraction=0.2, shard_tokens=4096, progress=False)
+    index = load_index(out)
+    assert len(index.train.shards) >= 4
+    for info in index.train.shards[1:3]:
+        (out / info.file).unlink()
+    return out

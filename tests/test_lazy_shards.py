@@ -9,36 +9,19 @@ import pytest
 
 from dilocod.data.errors import DataError
 from dilocod.data.local import missing_train_shards, open_dataset
-from dilocod.data.prepare import prepare
 from dilocod.data.schedule import Grant
-from dilocod.data.shards import TokenStream, load_index
+from dilocod.data.shards import TokenStream
 from dilocod.observability.peerstate import PeerState
 from dilocod.processes.shardfetch import LazyShards, server_maddrs
 from dilocod.trainer.data import PresentSampler
 
 
-@pytest.fixture
-def partial(tmp_path: Path) -> Path:
-    """A prepared dataset of several training shards, two of which are then missing."""
-    text = tmp_path / "text"
-    text.mkdir()
-    for i in range(12):
-        (text / f"doc{i}.txt").write_text(f"document {i} " * 400)
-    out = tmp_path / "ds"
-    prepare([text], "byte", out, eval_fraction=0.2, shard_tokens=4096, progress=False)
-    index = load_index(out)
-    assert len(index.train.shards) >= 4
-    for info in index.train.shards[1:3]:
-        (out / info.file).unlink()
-    return out
-
-
-def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial: Path) -> None:
-    index = open_dataset(partial, partial=True)
+def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial_dataset: Path) -> None:
+    index = open_dataset(partial_dataset, partial=True)
     with pytest.raises(DataError, match="missing"):
-        open_dataset(partial)  # a full open still wants every file
-    assert missing_train_shards(partial, index) == [1, 2]
-    lazy = LazyShards(partial, index, PeerState())
+        open_dataset(partial_dataset)  # a full open still wants every file
+    assert missing_train_shards(partial_dataset, index) == [1, 2]
+    lazy = LazyShards(partial_dataset, index, PeerState())
     assert not lazy.complete and lazy.present == set(range(len(index.train.shards))) - {1, 2}
     assert list(lazy.shards_of(0, 4096)) == [0] and list(lazy.shards_of(4000, 4200)) == [0, 1]
     first, second = Grant(0, 0, 0, 4096, 0), Grant(0, 1, 4096, 8192, 0)
@@ -47,10 +30,10 @@ def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial: Path
     assert lazy.present_ranges()[0] == (0, 4096) and (4096, 8192) not in lazy.present_ranges()
 
 
-def test_random_windows_come_only_from_the_shards_held(partial: Path) -> None:
-    index = open_dataset(partial, partial=True)
-    lazy = LazyShards(partial, index, PeerState())
-    stream = TokenStream(partial, index, "train")
+def test_random_windows_come_only_from_the_shards_held(partial_dataset: Path) -> None:
+    index = open_dataset(partial_dataset, partial=True)
+    lazy = LazyShards(partial_dataset, index, PeerState())
+    stream = TokenStream(partial_dataset, index, "train")
     sampler = PresentSampler(stream, lazy.present_ranges, seed=1, peer_key="p", batch_size=16, seq_len=32)
     x, y = sampler.batch(0)  # would raise on a missing shard
     assert x.shape == (16, 32) and bool((x[:, 1:] == y[:, :-1]).all())

@@ -20,9 +20,7 @@ import torch
 
 from dilocod.data.cursor import ChunkCursor
 from dilocod.data.local import open_corpus, open_dataset
-from dilocod.data.prepare import prepare
 from dilocod.data.schedule import Grant
-from dilocod.data.shards import load_index
 from dilocod.observability.peerstate import PeerState
 from dilocod.processes.shardfetch import LazyShards
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, LocalGroupError, ModelConfig, TrainerConfig
@@ -164,20 +162,12 @@ def test_a_scheduled_node_trains_its_leases_on_every_rank(
 
 
 def test_a_worker_of_a_joiner_with_a_partial_copy_trains_on_what_rank_0_sends(
-    tmp_path: Path, start_group: Callable[[InnerTrainer], LocalGroup]
+    partial_dataset: Path, start_group: Callable[[InnerTrainer], LocalGroup]
 ) -> None:
     """A joiner's copy lacks training shards it has not needed yet: the worker still starts (it reads no
     training shard), trains the scheduled windows rank 0 sends, and, once the leases run dry, the
     random windows rank 0 draws for it from the shards this machine holds."""
-    text = tmp_path / "text"
-    text.mkdir()
-    for i in range(12):
-        (text / f"doc{i}.txt").write_text(f"document {i} " * 400)
-    out = tmp_path / "ds"
-    prepare([text], "byte", out, eval_fraction=0.2, shard_tokens=4096, progress=False)
-    index = load_index(out)
-    for info in index.train.shards[1:3]:
-        (out / info.file).unlink()
+    out = partial_dataset
     data = DataConfig(path=str(out))
     lazy = LazyShards(out, open_dataset(out, partial=True), PeerState())
     trainer = InnerTrainer(
