@@ -34,6 +34,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 from hivemind.utils.mpfuture import MPFuture
 
+from peers import heap
 from peers.allreduce import ExactAllReduceRunner
 from peers.auth import RunAuth
 from peers.deadlines import allreduce_cancelled_reason
@@ -276,6 +277,8 @@ class RunAverager(StateDonors):
             if not step.cancelled():
                 raise
             log.debug("a cancelled round's result was dropped: %r", e)
+        finally:  # the round's parts, codec buffers and averages (≥ 2 × Δ) are free: give their pages back
+            heap.trim()
 
     async def _withdraw_dht_requests(self) -> None:
         """Send the DHT process a last request, withdraw all later ones, and wait until it answers: its

@@ -18,6 +18,7 @@ from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.rounds.tokens import Part, TokenLedger
 from dilocod.trainer import InnerTrainer, StepStats
+from peers import heap
 
 T = TypeVar("T")
 
@@ -70,11 +71,15 @@ class TrainerThread:
             parts = self._drain_parts()
             loop.call_soon_threadsafe(self._count_step, step, loss, seconds, parts)
 
+        def steps() -> StepStats:
+            # The last round's buffers (Δ, the average, the outer step's temporaries) are free by now:
+            # give their pages back before training makes new ones (peers/heap.py; a few ms a round).
+            heap.trim()
+            return trainer.train_steps(1 << 62, should_stop=stop_now, on_step=stepped)
+
         self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
         try:
-            stats = await self.run(
-                lambda: trainer.train_steps(1 << 62, should_stop=stop_now, on_step=stepped)
-            )
+            stats = await self.run(steps)
         finally:
             self.state.training_ended(time.monotonic())
         if stats.steps:

@@ -1,0 +1,250 @@
+"""A real swarm at size: per-phase time per round and each process's memory as bytes per parameter.
+
+    .venv/bin/python bench/size.py [--preset 124m] [--peers 2] [--rounds 3] [--joiner] [--set k=v ...] [--json]
+
+A bootstrap and `--peers` peers of `--preset` through the CLI on loopback (the test harness's processes,
+configs/tiny.toml with the preset swapped in, AdamW, batch 1 × 64 tokens, H = 3, int4, auto deadlines, a
+checkpoint every round), until every peer is at outer step `--rounds`; with `--joiner` one more peer then
+joins and downloads the run's state. Reported:
+
+- per round (medians over the peers' rounds after the first): the inner steps' time, matchmaking, the
+  all-reduce and its goodput (the larger of the bytes sent and received ÷ its seconds), the rest (the outer
+  step, eval, the checkpoint's pause), the checkpoint write (in the background), and a joiner's download;
+- memory, sampled every 2 s: each process of each peer's tree (the daemon, hivemind's DHT and averager
+  forks, p2pd, torch's shm manager) as proportional set size (PSS) per parameter, at the end and at its
+  peak; the sum over a tree is the peer's memory (a page shared between a daemon and its forks counts
+  once). Goal (issue 27): a CPU peer ≤ 32 bytes a parameter in all its processes together.
+
+The 124m preset needs ~4 GB a peer: check `free -g` first. `--preset small` (20.7M) is a quick run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procstats import pss_kb, tree  # noqa: E402
+
+from dilocod.trainer import ModelConfig, count_params  # noqa: E402
+from dilocod.trainer.model import Transformer  # noqa: E402
+from tests.harness import Proc, Swarm  # noqa: E402
+
+SETTINGS = (
+    "trainer.inner_steps=3",
+    "trainer.batch_size=1",
+    "trainer.seq_len=64",
+    "trainer.warmup_steps=1",
+    "trainer.eval_batches=1",
+    "trainer.threads=1",
+    "trainer.optimizer=adamw",
+    "averaging.min_matchmaking_time=1.5",
+    "averaging.request_timeout=1",
+    "averaging.matchmaking_timeout=0",  # auto: from the model and the link (peers/linkbudget.py)
+    "averaging.allreduce_timeout=0",
+    "averaging.state_timeout=0",
+    "net.status_interval=1",
+)
+
+
+def process_names(root: int) -> dict[int, str]:
+    """Each process of a daemon's tree by role: hivemind forks the DHT before the averager."""
+    names, forks = {}, 0
+    for pid in sorted(tree(root)):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if pid == root:
+            names[pid] = "daemon"
+        elif comm == "python":
+            names[pid] = ("dht", "averager")[forks] if forks < 2 else f"fork{forks}"
+            forks += 1
+        else:
+            names[pid] = comm.replace("torch_shm_manag", "shm_manager")
+    return names
+
+
+class Sampler:
+    """Every 2 s, each process's PSS (MB), keyed by peer and role; keeps the last reading and the peak."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        self.procs = procs
+        self.last: dict[str, dict[str, float]] = {}
+        self.peak: dict[str, dict[str, float]] = {}
+        self.peak_total: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(2.0):
+            self.read()
+
+    def read(self) -> None:
+        for proc in list(self.procs):
+            if proc.popen is None or proc.popen.poll() is not None:
+                continue
+            parts: dict[str, float] = {}
+            for pid, role in process_names(proc.popen.pid).items():
+                try:
+                    parts[role] = pss_kb(pid) / 1024
+                except OSError:
+                    continue
+            self.last[proc.name] = parts
+            peak = self.peak.setdefault(proc.name, {})
+            for role, mb in parts.items():
+                peak[role] = max(peak.get(role, 0.0), mb)
+            self.peak_total[proc.name] = max(self.peak_total.get(proc.name, 0.0), sum(parts.values()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def metric_sums(proc: Proc, names: tuple[str, ...]) -> dict[str, float]:
+    """`<name>_sum` and `<name>_count` of a peer's histograms, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.http_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in names:
+            for suffix in ("_sum", "_count"):
+                if line.startswith(f"dilocod_{name}{suffix} "):
+                    found[name + suffix] = float(line.split()[1])
+    return found
+
+
+def phases(proc: Proc) -> dict[str, Any]:
+    """One peer's per-round times (medians over its rounds after the first) and all-reduce goodput."""
+    status = proc.status()
+    rounds = [r for r in status["rounds"] if r["result"] in ("ok", "alone")][1:]
+    sums = metric_sums(proc, ("inner_step_seconds", "checkpoint_seconds"))
+    steps = sums.get("inner_step_seconds_count", 0) or 1
+    step_seconds = sums.get("inner_step_seconds_sum", 0.0) / steps
+    gaps = [b["time"] - a["time"] for a, b in zip(status["rounds"], status["rounds"][1:], strict=False)]
+    med = statistics.median
+
+    def goodput(r: dict[str, Any]) -> float:
+        return max(r["bytes_sent"], r["bytes_received"]) / max(r["allreduce_seconds"], 1e-9) / 1e6
+
+    return {
+        "rounds": len(rounds),
+        "inner_step_s": round(step_seconds, 3),
+        "train_s": round(step_seconds * 3, 2),  # H = 3 steps a round for a peer of the run's speed
+        "round_gap_s": round(med(gaps[1:]), 2) if len(gaps) > 1 else None,
+        "matchmaking_s": round(med(r["seconds"] - r["allreduce_seconds"] for r in rounds), 2) if rounds else None,
+        "allreduce_s": round(med(r["allreduce_seconds"] for r in rounds), 2) if rounds else None,
+        "allreduce_mb": round(med(max(r["bytes_sent"], r["bytes_received"]) for r in rounds) / 1e6, 1)
+        if rounds
+        else None,
+        "goodput_mb_s": round(med(goodput(r) for r in rounds), 1) if rounds else None,
+        "checkpoint_write_s": round(sums.get("checkpoint_seconds_sum", 0) / max(1, sums.get("checkpoint_seconds_count", 0)), 2),
+    }  # fmt: skip
+
+
+def joiner_download(proc: Proc) -> dict[str, Any] | None:
+    """The joiner's state download: its `resynced` round's seconds and bytes."""
+    for r in proc.status()["rounds"]:
+        if r["result"] == "resynced":
+            return {"download_s": r["seconds"], "download_mb": round(r["bytes_received"] / 1e6, 1)}
+    return None
+
+
+def memory_table(sampler: Sampler, params: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, parts in sampler.last.items():
+        per = {role: round(mb * 2**20 / params, 1) for role, mb in parts.items()}
+        peak = {role: round(mb * 2**20 / params, 1) for role, mb in sampler.peak.get(name, {}).items()}
+        rows.append({
+            "process": name,
+            "mb": {role: round(mb) for role, mb in parts.items()},
+            "bytes_per_param": per,
+            "total_bytes_per_param": round(sum(parts.values()) * 2**20 / params, 1),
+            "peak_bytes_per_param": peak,
+            "peak_total_bytes_per_param": round(sampler.peak_total.get(name, 0.0) * 2**20 / params, 1),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="124m")
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--joiner", action="store_true", help="one more peer joins at the end and downloads the state"
+    )
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    with torch.device("meta"):  # the count without the memory
+        params = count_params(Transformer(ModelConfig(args.preset).spec()))
+    overrides = (*SETTINGS, f"model.preset={args.preset}", *args.overrides)
+    result: dict[str, Any] = {"preset": args.preset, "params": params, "peers": args.peers}
+    with tempfile.TemporaryDirectory(prefix="dilocod-size-") as root:
+        s = Swarm(Path(root), overrides=overrides)
+        sampler: Sampler | None = None
+        try:
+            s.start_bootstrap()
+            for _ in range(args.peers):
+                s.add_peer()
+            assert s.bootstrap is not None
+            sampler = Sampler([s.bootstrap, *s.peers])
+            s.wait_all_at(args.rounds, timeout=args.timeout)
+            time.sleep(3)  # the last round's checkpoint and trim
+            sampler.read()
+            result["phases"] = {proc.name: phases(proc) for proc in s.peers}
+            if args.joiner:
+                joiner = s.add_peer()
+                sampler.procs.append(joiner)
+                at = max(st["outer_step"] for st in (proc.status() for proc in s.peers[:-1]))
+                s.wait_all_at(at + 1, timeout=args.timeout, peers=[joiner])
+                result["joiner"] = joiner_download(joiner)
+                sampler.read()
+            result["memory"] = memory_table(sampler, params)
+        except Exception:
+            print(s.log_tails(), file=sys.stderr)
+            raise
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            s.close()
+    report(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    print(f"{result['preset']}: {result['params']:,} parameters, bootstrap + {result['peers']} peers")
+    for name, ph in result.get("phases", {}).items():
+        print(f"  {name}: {ph}")
+    if result.get("joiner"):
+        print(f"  joiner: {result['joiner']}")
+    print("memory, bytes per parameter (PSS) now [peak]:")
+    for row in result.get("memory", []):
+        parts = "  ".join(
+            f"{role} {v} [{row['peak_bytes_per_param'].get(role, v)}]"
+            for role, v in row["bytes_per_param"].items()
+        )
+        print(
+            f"  {row['process']:<10} total {row['total_bytes_per_param']} [{row['peak_total_bytes_per_param']}]  {parts}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
