@@ -41,17 +41,34 @@ def _at_least(source: TokenSource, length: int) -> TokenSource:
     return TensorTokens(tokens.repeat(-(-length // n)))
 
 
-def _windows(source: TokenSource, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_windows(source: TokenSource, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
     if isinstance(source, TensorTokens):  # one gather instead of a read per window
-        windows = source.tokens[starts.unsqueeze(1) + torch.arange(seq_len + 1)].long()
-    else:
-        windows = torch.from_numpy(np.stack([source.read(s, s + seq_len + 1) for s in starts.tolist()]))
+        return source.tokens[starts.unsqueeze(1) + torch.arange(seq_len + 1)].long()
+    return torch.from_numpy(np.stack([source.read(s, s + seq_len + 1) for s in starts.tolist()]))
+
+
+def inputs_and_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of int64 windows [n, seq_len + 1]: y[:, i] == x[:, i + 1]."""
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def windows_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The windows [n, seq_len + 1] that (x, y) were cut from."""
+    return torch.cat([x, y[:, -1:]], dim=1)
+
+
+def _windows(source: TokenSource, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return inputs_and_targets(_read_windows(source, starts, seq_len))
+
+
+def windows_at(source: TokenSource, starts: list[int], seq_len: int) -> torch.Tensor:
+    """The windows of `seq_len + 1` tokens starting at `starts`, int64 [len(starts), seq_len + 1]."""
+    return _read_windows(source, torch.tensor(starts, dtype=torch.long), seq_len)
 
 
 def batch_at(source: TokenSource, starts: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) of the windows of `seq_len + 1` tokens starting at `starts` (the chunk schedule's batches)."""
-    return _windows(source, torch.tensor(starts, dtype=torch.long), seq_len)
+    return inputs_and_targets(windows_at(source, starts, seq_len))
 
 
 class _Range:

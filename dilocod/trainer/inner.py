@@ -23,7 +23,18 @@ from dilocod.data.corpus import TokenSource, as_source
 from dilocod.data.cursor import ChunkCursor
 
 from . import flops
-from .data import Corpus, DataConfig, Sampler, ShardSampler, batch_at, eval_batches, load_corpus
+from .data import (
+    Corpus,
+    DataConfig,
+    Sampler,
+    ShardSampler,
+    batch_at,
+    eval_batches,
+    inputs_and_targets,
+    load_corpus,
+    windows_at,
+    windows_of,
+)
 from .lm import LanguageModel, build_lm, model_name
 from .model import ModelConfig, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
@@ -233,9 +244,9 @@ class InnerTrainer:
         if self._followers is not None:
             own, *others = self._node_windows()
             self._followers.before_step(self.step, self.data_position, others)
-            x, y = _inputs_and_targets(own)
+            x, y = inputs_and_targets(own)
         elif windows is not None:  # a rank > 0 of a local group: the windows rank 0 drew for it
-            x, y = _inputs_and_targets(windows)
+            x, y = inputs_and_targets(windows)
         else:
             x, y = self._next_batch()
         lr = lr_at(self.step, self.cfg)
@@ -296,8 +307,8 @@ class InnerTrainer:
         size, ranks = self.cfg.batch_size, self.world_size
         starts = self._scheduled_starts(size * ranks)
         if starts is not None:
-            return list(_windows_of(*batch_at(self._train_source, starts, self.cfg.seq_len)).split(size))
-        return [_windows_of(*self.sampler.batch(self.data_position, stream=r)) for r in range(ranks)]
+            return list(windows_at(self._train_source, starts, self.cfg.seq_len).split(size))
+        return [windows_of(*self.sampler.batch(self.data_position, stream=r)) for r in range(ranks)]
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
         """Forward and backward over the batch in pieces of ``micro`` sequences (`trainer.micro_batch_size`).
@@ -448,12 +459,3 @@ class InnerTrainer:
                 raise ValueError(
                     f"trainer state is for a different model: {name} has shape {theirs[name]}, expected {shape}"
                 )
-
-
-def _windows_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The windows of `seq_len + 1` tokens that (x, y) were cut from."""
-    return torch.cat([x, y[:, -1:]], dim=1)
-
-
-def _inputs_and_targets(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
