@@ -16,6 +16,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import dilocod.data.prepare as prep
+import dilocod.data.prepsplit as prepsplit
+import dilocod.data.prepstate as prepstate
 from dilocod.data.errors import DataError
 from dilocod.data.prepare import prepare
 from dilocod.data.shards import TokenStream, load_index, verify_dataset
@@ -227,9 +229,20 @@ class Interrupt(Exception):
     pass
 
 
+# The prepare's modules, each holding its own reference to the functions a test makes fail.
+PREPARE_MODULES = (prep, prepsplit, prepstate)
+
+
+def patch_everywhere(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
+    for module in PREPARE_MODULES:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
+
 def interrupt_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int) -> None:
-    """Make prep.<name> raise on its ``calls``-th call: a deterministic kill -9 at that point."""
-    real = getattr(prep, name)
+    """Make <name> raise on its ``calls``-th call, wherever the prepare calls it: a deterministic kill -9
+    at that point."""
+    real = next(getattr(m, name) for m in PREPARE_MODULES if hasattr(m, name))
     count = [0]
 
     def wrapper(*args: Any, **kw: Any) -> Any:
@@ -238,10 +251,10 @@ def interrupt_after(monkeypatch: pytest.MonkeyPatch, name: str, calls: int) -> N
             raise Interrupt(name)
         return real(*args, **kw)
 
-    monkeypatch.setattr(prep, name, wrapper)
+    patch_everywhere(monkeypatch, name, wrapper)
 
 
-@pytest.mark.parametrize(("where", "calls"), [("write_shard", 1), ("write_shard", 6), ("_save_state", 6)])
+@pytest.mark.parametrize(("where", "calls"), [("write_shard", 1), ("write_shard", 6), ("save_state", 6)])
 def test_resume_after_interruption_gives_identical_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, calls: int
 ) -> None:
@@ -260,8 +273,8 @@ def test_resume_after_interruption_gives_identical_output(
     with pytest.raises(DataError, match="holds a prepare of other arguments"):
         prepare(sources, "byte", tmp_path / "ds", **{**kw, "shard_tokens": 61})
     written: list[str] = []
-    real = prep.write_shard
-    monkeypatch.setattr(prep, "write_shard", lambda path, *a: written.append(path.name) or real(path, *a))
+    real = prepsplit.write_shard
+    patch_everywhere(monkeypatch, "write_shard", lambda path, *a: written.append(path.name) or real(path, *a))
     resumed = prepare(sources, "byte", tmp_path / "ds", **kw)
     assert resumed.raw == clean.raw
     assert files_of(tmp_path / "ds") == files_of(tmp_path / "clean")
@@ -279,7 +292,7 @@ def test_finished_dataset_is_up_to_date(
     src = tmp_path / "a.txt"
     src.write_text("some text " * 50, encoding="utf-8")
     first = prepare([src], "byte", tmp_path / "ds", shard_tokens=100, progress=False)
-    monkeypatch.setattr(prep, "write_shard", None)  # nothing may be written again
+    patch_everywhere(monkeypatch, "write_shard", None)  # nothing may be written again
     again = prepare([src], "byte", tmp_path / "ds", shard_tokens=100, progress=False)
     assert again == first and "up to date" in capsys.readouterr().err
     with pytest.raises(DataError, match="holds a prepare of other arguments"):
