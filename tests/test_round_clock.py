@@ -171,11 +171,12 @@ def test_joiners_come_from_fresh_records_that_name_the_round() -> None:
     assert clock.progress_from_record({**record, "joining": None}) is not None
     js = [joiner("j", time=99.0), joiner("j", since=96.0, time=99.5), joiner("k", round_index=4),
           joiner("s", time=80.0), joiner("b", round_index=2), joiner("o", round_index=1)]  # fmt: skip
-    # One per peer (its latest record); a joiner that named the round before is on its way to ours; one
-    # that names a later round, or two before, or whose record went stale, is not.
+    # One per peer (its latest record); a joiner that named an earlier round (it read lagging records) is
+    # on its way to ours; one that names a later round, or whose record went stale, is not.
     assert clock.joining(js, 3, 100.0, 10.0) == [
         joiner("b", round_index=2),
         joiner("j", since=96.0, time=99.5),
+        joiner("o", round_index=1),
     ]
 
 

@@ -201,6 +201,7 @@ def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_then_launches_
     assert actions[:2] == [Apply(), Record(Outcome.CAUGHT_UP, 0, 0.0)]
     assert actions[-2:] == [Launch(), Train()] and after.step == 9 and after.round == 10
     assert Publish() in actions and Evaluate() not in actions
+    assert Checkpoint() not in actions  # it wrote one at its re-sync: nothing may delay the launch
     # back in step, but its tokens are in no round yet: neither contributing nor another miss
     assert not any(isinstance(a, Contributing | Warn) for a in actions) and after.misses == 2
     # if the run moved on past even that round (a long download), it re-syncs again

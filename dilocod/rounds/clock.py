@@ -138,12 +138,14 @@ def joiner_from_record(record: Mapping[str, Any]) -> Joiner | None:
 
 
 def joining(joiners: Iterable[Joiner], round_index: int, now: float, stale_after: float) -> list[Joiner]:
-    """The peers joining `round_index`: fresh records only, one per peer. A joiner that named the round
-    before counts too: it read the run's step just before the run moved on, and a donor serves its newest
-    state, so it arrives with ours (or, if it got the older one, downloads again and names ours)."""
+    """The peers joining `round_index`: fresh records only, one per peer. A joiner that named an earlier
+    round counts too: a donor serves its newest state, so it arrives with ours (or, if it got an older one,
+    downloads again and names ours). It read the run's step from records that lag the run, and publishes
+    its own a moment later, so by the time we read that the run may have closed a round or two: a slow
+    joiner that named the round two before, and was not waited for, arrived late at every attempt."""
     latest: dict[str, Joiner] = {}
     for j in joiners:
-        fresh = j.round in (round_index - 1, round_index) and now - j.time <= stale_after
+        fresh = j.round <= round_index and now - j.time <= stale_after
         if fresh and (j.peer_id not in latest or j.time > latest[j.peer_id].time):
             latest[j.peer_id] = j
     return sorted(latest.values(), key=lambda j: j.peer_id)

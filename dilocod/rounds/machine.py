@@ -149,7 +149,10 @@ def _on_averaged(
         actions.append(Publish())
     if outcome in SUCCESS:
         actions.append(Evaluate())
-    actions, next_state = _maybe_checkpoint(next_state, actions, settings)
+    if outcome is not Outcome.CAUGHT_UP:
+        # A joiner that caught up wrote a checkpoint at its re-sync a moment ago; here it must launch its
+        # round before the run's group forms (a slow one that first waited for that write missed it).
+        actions, next_state = _maybe_checkpoint(next_state, actions, settings)
     command = _next_command(next_state, outcome, facts, settings)
     if any(isinstance(a, Launch) for a in command):
         next_state = replace(next_state, in_flight=True)
