@@ -38,12 +38,22 @@ def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None
     assert any(count == 3 for count in counts.values()), f"no round had all 3 peers agreeing: {counts}"
     assert all(status["group_size"] >= 2 for status in statuses)
 
-    # Loss falls: the first averaged round's train loss vs the latest, and θ_global's held-out loss far
-    # below an untrained model's ln 256. (Not eval vs eval: at 3 rounds of H = 5 two evals of 2 batches
-    # differ by noise as much as by training; measured 3.32, 3.42, 3.34.)
+    # Loss falls: the train loss of the run's first averaged round vs the peers' latest, and θ_global's
+    # held-out loss far below an untrained model's ln 256. (Not eval vs eval: at 3 rounds of H = 5 two evals
+    # of 2 batches differ by noise as much as by training; measured 3.32, 3.42, 3.34.) A round's loss is one
+    # batch's: the run's first round (H steps from ln 256, ~4.7) against the mean of the peers' latest. One
+    # peer's own first against its latest compared two batches of the plateau when that peer had joined a
+    # round late and kept its progress (3.44 vs 3.76 once, in a full suite).
+    first_step = min(e["outer_step"] for st in statuses for e in st["rounds"] if e["loss"] is not None)
+    first_loss = max(
+        e["loss"]
+        for st in statuses
+        for e in st["rounds"]
+        if e["loss"] is not None and e["outer_step"] == first_step
+    )
+    latest = sum(st["loss"] for st in statuses) / len(statuses)
+    assert first_loss > latest, (first_step, first_loss, [st["loss"] for st in statuses])
     history = statuses[0]["rounds"]
-    first_loss = next(e["loss"] for e in history if e["loss"] is not None)
-    assert first_loss > statuses[0]["loss"], (first_loss, statuses[0]["loss"])
     evals = [e["eval_loss"] for e in history if e["eval_loss"] is not None]
     assert evals and evals[-1] < math.log(256) - 1.0, evals
 
