@@ -9,7 +9,10 @@ recorded with the server that sent it. On a mismatch:
   server (a server that fails midway loses its bytes), so a later mismatch names its one sender. Once a
   good file arrived, each server's run in the suspect file is compared with the good bytes at the same
   place: whoever sent different bytes is bad too.
-A bad server is not asked again in this call; nor is one that failed (error, refusal, timeout, stall).
+A bad server is not asked again in this call; nor is one that failed (error, refusal, timeout, stall),
+except a stream that ended short: a cut (a relay or a link that dropped, a daemon that reset the stream) is
+the network's more often than the server's, and the only server of a file would otherwise fail the
+whole fetch. Such a server is asked again from the bytes held, after the others, `CUT_RETRIES` times.
 
 Given `routes` (peers/databulk.py), each server is asked over its HTTP path first, when it has one: the
 same bytes, cheaper per byte. When that path fails (refused, cut, firewalled), the download goes on over
@@ -46,6 +49,7 @@ log = logging.getLogger("peers.datafetch")
 
 
 FETCH_TIMEOUT = 30.0
+CUT_RETRIES = 2  # times a server whose stream ended short is asked again in one call
 READ_SIZE = 1 << 20
 
 # ---- the client --------------------------------------------------------------------------------------------
@@ -67,6 +71,10 @@ class FetchResult:
 
 class _Failed(Exception):
     """A server could not deliver (its fault or the network's, not a lie)."""
+
+
+class _Cut(_Failed):
+    """The stream ended before the bytes its header announced: asked again later (`CUT_RETRIES`)."""
 
 
 class _Lied(Exception):
@@ -235,6 +243,7 @@ class _Fetch:
     bad: list[PeerID] = field(default_factory=list)
     failed: dict[PeerID, str] = field(default_factory=dict)
     whole_files: bool = False  # set after a mismatch nobody could be blamed for
+    cuts: dict[PeerID, int] = field(default_factory=dict)  # streams of each server that ended short
     suspect: list[_Run] | None = None
 
     @property
@@ -251,14 +260,19 @@ class _Fetch:
                     return done
                 if not queue:
                     break
-                last = queue.popleft()
-                await self._try(last)
+                peer = queue.popleft()
+                if peer in self.bad:  # asked again after a cut, then blamed for a mismatch
+                    continue
+                last = peer
+                if await self._try(peer):
+                    queue.append(peer)
         finally:
             if self.suspect is not None:
                 self.suspect_path.unlink(missing_ok=True)
         raise DataFetchError(self._summary())
 
-    async def _try(self, peer: PeerID) -> None:
+    async def _try(self, peer: PeerID) -> bool:
+        """One download from `peer`; True when it is worth asking again (its stream was cut)."""
         try:
             if not await self._bulk(peer):
                 await self._download(peer)
@@ -271,6 +285,14 @@ class _Fetch:
             log.info("data: %s from %s failed: %s", self.name, peer, self.failed[peer])
             if self.whole_files:
                 await self.part.discard()  # every file must come from one server now
+            return isinstance(e, _Cut) and self._count_cut(peer)
+        else:
+            self.failed.pop(peer, None)  # asked again after a cut, it delivered
+        return False
+
+    def _count_cut(self, peer: PeerID) -> bool:
+        self.cuts[peer] = self.cuts.get(peer, 0) + 1
+        return self.cuts[peer] <= CUT_RETRIES
 
     async def _check(self, last: PeerID | None, queue: deque[PeerID]) -> FetchResult | None:
         """The part is complete: install it when it matches, else blame or set it aside."""
@@ -385,7 +407,7 @@ class _Fetch:
                     chunk = await reader.read(min(left, READ_SIZE))
                     deadline.reschedule(None)
                     if not chunk:
-                        raise _Failed(f"the stream ended {left} bytes short")
+                        raise _Cut(f"the stream ended {left} bytes short")
                     left -= len(chunk)
                     yield chunk
         except TimeoutError:

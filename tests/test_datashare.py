@@ -3,8 +3,9 @@
 - the headers' schemas: round trips, cross-field rules, names that are paths, hostile bytes;
 - real p2pd daemons on loopback, in this process: a file fetched whole, a cut download resumed from its
   offset, a server that serves altered bytes reported bad (alone, or mixed with an honest server's bytes),
-  path-like names refused before the lookup, a missing file or a cut stream → the next server, the rate
-  limit, and a malformed request that leaves the server serving.
+  path-like names refused before the lookup, a missing file or a cut stream → the next server (a cut one
+  asked again after the others, from the bytes held), the rate limit, and a malformed request that leaves
+  the server serving.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers.datafetch import fetch_file
+from peers.datafetch import CUT_RETRIES, fetch_file
 from peers.datashare import DATA_PROTOCOL, DataFetchError, DataServer, serve_data
 from proto import ProtoError
 from proto.data import (
@@ -202,20 +203,27 @@ def test_a_server_of_altered_bytes_is_reported_bad_and_the_file_comes_from_an_ho
     asyncio.run(main())
 
 
-async def serve_cut(p2p: P2P, data: bytes, upto: int, *, stall: float = 0.0) -> None:
+async def serve_cut(
+    p2p: P2P, data: bytes, upto: int, *, stall: float = 0.0, streams: int | None = None
+) -> list[int]:
     """A server that announces the whole rest of the file but stops after byte `upto`: it closes the
-    stream, or first holds it open for `stall` seconds without sending anything."""
+    stream, or first holds it open for `stall` seconds without sending anything. Only its first `streams`
+    streams are cut (None: all); it serves the later ones whole. Returns the offsets it was asked for."""
+    asked: list[int] = []
 
     async def handle(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         (size,) = struct.unpack(">I", await reader.readexactly(4))
         offset = decode_data_request(await reader.readexactly(size))["offset"]
+        end = upto if streams is None or len(asked) < streams else len(data)
+        asked.append(offset)
         header = encode_data_reply({"size": len(data), "length": len(data) - offset})
-        writer.write(struct.pack(">I", len(header)) + header + data[offset:upto])
+        writer.write(struct.pack(">I", len(header)) + header + data[offset:end])
         await writer.drain()
         await asyncio.sleep(stall)
         writer.close()
 
     await p2p.add_binary_stream_handler(DATA_PROTOCOL, handle)
+    return asked
 
 
 @pytest.mark.parametrize("stall", [0.0, 30.0], ids=["closed", "stalled"])
@@ -239,6 +247,31 @@ def test_a_cut_or_stalled_stream_moves_on_to_the_next_server_keeping_the_bytes(
             reason = "stalled: no bytes for 1.5 s" if stall else "ended 600000 bytes short"
             assert reason in result.failed[cut.peer_id] and not result.bad
             assert dest.read_bytes() == source.read_bytes()
+
+    asyncio.run(main())
+
+
+def test_the_only_server_of_a_file_is_asked_again_after_a_cut_from_the_bytes_held(tmp_path: Path) -> None:
+    """A cut is the network's more often than the server's: with one server (a run's bootstrap serving its
+    index to an export), a stream that ended short is asked again from where it ended, a bounded number of
+    times; the error of a server that always cuts says so in one line."""
+    source = tmp_path / "good.bin"
+    sha = make_file(source, 1_000_000)
+
+    async def main() -> None:
+        async with nodes(3) as (client, flaky, broken):
+            asked = await serve_cut(flaky, source.read_bytes(), 400_000, streams=1)
+            dest = tmp_path / "train-00000.bin"
+            result = await fetch_file(client, [flaky.peer_id], "train-00000.bin", 1_000_000, sha, dest)
+            assert asked == [0, 400_000] and result.received == 1_000_000
+            assert result.sources == [flaky.peer_id] and not result.failed and not result.bad
+            assert dest.read_bytes() == source.read_bytes()
+
+            asked = await serve_cut(broken, source.read_bytes(), 0)
+            with pytest.raises(DataFetchError) as caught:
+                await fetch_file(client, [broken.peer_id], "train-00000.bin", 1_000_000, sha, tmp_path / "x")
+            assert asked == [0] * (1 + CUT_RETRIES)
+            assert "ended 1000000 bytes short" in str(caught.value) and "\n" not in str(caught.value)
 
     asyncio.run(main())
 
