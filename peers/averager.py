@@ -169,6 +169,12 @@ class RunAverager(StateDonors):
         proof = self._auth.member_proof(self.peer_id.to_bytes()) if self._auth is not None else b""
         return super().step(gather=[gather, proof], **kwargs)
 
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> Any:
+        """hivemind's, bounded like the settings below: an executor thread that waits on an averager that
+        stopped first would keep the process from exiting (asyncio waits for its threads)."""
+        future = super().set_group_bits(group_bits, wait=False)
+        return future.result(timeout=10) if wait else future
+
     def set_banned(self, peer_ids: Sequence[str]) -> None:
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_set_banned", [], dict(peer_ids=list(peer_ids), future=future)))

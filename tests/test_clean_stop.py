@@ -145,6 +145,43 @@ def test_averager_stops_quietly_once_p2pd_is_gone(stderr: Callable[[], str]) -> 
     _quiet("the averager", stderr())
 
 
+SLOW_STOP = """
+import asyncio, logging, sys, time
+from dilocod.processes import runtime
+
+def stuck_in_a_cleanup() -> None:
+    time.sleep(4)
+
+async def main() -> None:
+    stop = asyncio.Event()
+    runtime.install_stop_signals(stop)
+    print("ready", flush=True)
+    await stop.wait()
+    stuck_in_a_cleanup()
+
+logging.basicConfig(level=logging.INFO)
+runtime.SLOW_STOP_SECONDS = 1.0
+asyncio.run(main())
+"""
+
+
+def test_a_stop_that_hangs_says_where_each_thread_is() -> None:
+    """A stop still running after `SLOW_STOP_SECONDS` prints every thread's stack (from a thread of its
+    own: the event loop may be the one stuck) and goes on."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_STOP], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "received SIGTERM, shutting down" in err and "still stopping after 1 s" in err, err
+    assert "in stuck_in_a_cleanup" in err, err
+
+
 def test_peers_and_bootstrap_stop_without_a_traceback(swarm: Callable[..., Swarm]) -> None:
     s = swarm(2)
     s.wait_all_at(1, timeout=120)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 REPEAT_IS_ECHO_SECONDS = 2.0
+SLOW_STOP_SECONDS = 45.0  # a stop still running then prints where each thread is (it goes on)
 STOP_GRACE_SECONDS = (
     15.0  # how long a running all-reduce may finish after a stop signal (peers: rounds/exchange.py)
 )
@@ -41,10 +45,28 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         if not first:
             first.append(time.monotonic())
             logging.getLogger("dilocod").info("received %s, shutting down", signal.Signals(signum).name)
+            _report_if_slow(SLOW_STOP_SECONDS)
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, signum)
+
+
+def _report_if_slow(seconds: float) -> None:
+    """A stop still running after `seconds` logs so and prints every thread's stack to stderr: what a user
+    (or a test's log tail) needs to say where it hangs. A thread, not the event loop: the loop may be what
+    is stuck. The stop goes on; a second signal exits at once."""
+
+    def report() -> None:
+        logging.getLogger("dilocod").warning(
+            "still stopping after %.0f s; where each thread is (a second signal exits at once):", seconds
+        )
+        with contextlib.suppress(Exception):  # no usable stderr: nothing to print to
+            faulthandler.dump_traceback(file=2, all_threads=True)
+
+    timer = threading.Timer(seconds, report)
+    timer.daemon = True  # never what keeps the process alive
+    timer.start()
 
 
 def setup_logging(log_file: Path | None, *, verbose: bool = False) -> None:
