@@ -21,7 +21,8 @@ from tests.harness import Swarm, round_hashes, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # waits of up to 420 s below
 
 # Rounds of ~10 inner steps of a reference peer: long enough that a round's fixed cost (matchmaking and
-# the all-reduce, ~1 s on a loaded 2-core machine) leaves the fast peers ≥ 80 % of their time in steps.
+# the all-reduce, ~1 s on a loaded 2-core machine) leaves the fast peers well over 70 % of their time in
+# steps, far from the ~50 % of a peer that would wait for one at half its speed.
 LONG_ROUNDS = ("trainer.inner_steps=40",)
 
 
@@ -66,8 +67,11 @@ def test_a_slower_peer_counts_and_a_frozen_one_is_back_within_two_rounds(swarm: 
         for name, st in (("fast", statuses[0]), ("slow", slow_status))
     }
     assert sum(tokens["slow"]) < 0.8 * sum(tokens["fast"]), tokens
-    for st in statuses[:2]:  # the fast peers never wait for the slow one
-        assert st["compute_utilization"] >= 0.8, (st["peer_id"], st["compute_utilization"])
+    # The fast peers never wait for the slow one: waiting for a peer at half their speed would leave them
+    # about half their time in steps; not waiting, only a round's fixed cost is lost (0.77-0.9 measured on
+    # a loaded 2-core machine, where that cost is ~1 s of a ~4 s round).
+    for st in statuses[:2]:
+        assert st["compute_utilization"] >= 0.7, (st["peer_id"], st["compute_utilization"])
         assert st["contributing"] and st["not_contributing_reason"] is None
 
     # A peer frozen for 6 s (SIGSTOP: its process, not its network children) is in a successful round
