@@ -4,20 +4,74 @@ real `transformers`; and its one-line errors (a maddr that does not answer, a ru
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import torch
 
+from dilocod.config import Config
 from dilocod.diloco.outer import global_sha256
 from dilocod.export.hf import from_llama
-from dilocod.processes.exportfrom import agreement
+from dilocod.processes import exportfrom
+from dilocod.processes.exportfrom import WATCH_SECONDS, _Download, agreement, named_params_shapes
+from dilocod.trainer.model import ModelConfig
+from peers.group import DownloadedState
+from proto import encode_state_meta
 from tests.harness import REPO, Swarm, round_hashes
 
 SILENT_MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmXZWgfKCKPkfzqZkMNzi6SJrXcavDk9frk8d1NBhaQbjv"
+
+
+def test_the_steps_reported_while_a_state_downloads_are_what_it_is_held_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record says only its peer's latest step, and a download can outlast rounds: the donor's step is
+    reported (by every peer, with its θ) only while its state downloads, and the run is past it once the
+    state is in. The export reads the records throughout, so it holds the state to those reports."""
+    cfg = Config()
+    model = ModelConfig(cfg.model.preset, cfg.model.vocab_size)
+    params = [torch.full(t.shape, 0.5) for t in named_params_shapes(model)]
+    sha = global_sha256(params)
+    began = time.monotonic()
+    round_seconds = WATCH_SECONDS * 1.2  # every step is read at least once
+
+    def step_now() -> int:
+        return int((time.monotonic() - began) / round_seconds)
+
+    async def read_run(_node: object) -> list[dict[str, Any]]:
+        step = step_now()
+        return [
+            {"role": "peer", "manifest_hash": "m", "peer_id": f"p{i}", "outer_step": step,
+             "global_sha256": sha if step == 1 else f"{step:064x}"}
+            for i in range(3)
+        ]  # fmt: skip
+
+    class Donor:
+        async def download_state(self, **_: Any) -> DownloadedState:
+            while step_now() < 1:
+                await asyncio.sleep(0.05)
+            meta = encode_state_meta(
+                {"outer_step": 1, "global_sha256": sha, "num_tensors": len(params), "param_count": len(params),
+                 "time": time.time()}
+            )  # fmt: skip
+            while step_now() < 4:  # the download takes rounds
+                await asyncio.sleep(0.05)
+            return DownloadedState("donor", 1.0, meta, params)
+
+    monkeypatch.setattr(exportfrom, "read_run", read_run)
+    manifest = SimpleNamespace(hash="m", run_id="run")
+    download = _Download(cfg, manifest, model, None, Donor())  # type: ignore[arg-type]
+    got = asyncio.run(download.run())
+    assert (got.outer_step, got.global_sha256) == (1, sha)
+    assert got.swarm == {"donor": "donor", "peers_agreeing": 3, "peers_reporting": 3}
 
 
 def export_from(maddr: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:

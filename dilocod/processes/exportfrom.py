@@ -53,6 +53,7 @@ log = logging.getLogger("dilocod.export")
 MANIFEST_SECONDS = 15.0  # a maddr that gives no manifest by then does not answer
 RECORD_SECONDS = 20.0  # how long to wait for the run's records (peers publish every few seconds)
 DONORS = 3  # donors tried before giving up
+WATCH_SECONDS = 0.5  # records are read this often while a state downloads
 MAX_META_BYTES = 64 << 20
 
 
@@ -172,6 +173,22 @@ class _Download:
 
     async def run(self) -> RunModel:
         await self._wait_for_records()
+        # A record says only its peer's latest step, and a download can take rounds (a big model, a short
+        # round): the steps reported meanwhile, the donor's among them, are what its θ_global is held to.
+        watcher = asyncio.create_task(self._watch_records())
+        try:
+            return await self._from_donors()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _watch_records(self) -> None:
+        while True:
+            await self.records()
+            await asyncio.sleep(WATCH_SECONDS)
+
+    async def _from_donors(self) -> RunModel:
         tried: list[str] = []
         problems: list[str] = []
         elements = sum(t.numel() for t in named_params_shapes(self.model))
