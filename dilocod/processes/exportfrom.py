@@ -267,14 +267,14 @@ class _Download:
         )  # fmt: skip
 
     async def _agreement(self, step: int, sha: str) -> Agreement:
-        """The reports for `step`, once a majority agrees or the records had time to arrive."""
+        """The reports for `step`, once a majority agrees or the records had time to arrive (the watcher
+        of `run` reads them)."""
         deadline = time.monotonic() + RECORD_SECONDS
         while True:
-            await self.records()
             votes = agreement(self.seen, step, sha)
             if votes.majority or time.monotonic() >= deadline:
                 return votes
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_SECONDS)
 
 
 def named_params_shapes(model: ModelConfig) -> Sequence[torch.Tensor]:
