@@ -38,7 +38,7 @@ from dilocod.trainer.data import ShardSampler, load_corpus
 def bare_loop(preset: str, batch: int, seq: int, steps: int) -> float:
     """tokens/s of the plainest loop: model, AdamW, random windows of the same corpus; nothing else."""
     model = build_model(ModelConfig(preset), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)  # as the trainer
     corpus = load_corpus(DataConfig())
     sampler = ShardSampler(
         corpus.train, seed=0, peer_key="bench", num_shards=16, batch_size=batch, seq_len=seq

@@ -167,7 +167,9 @@ class InnerTrainer:
             lr=lr_at(0, self.cfg),
             weight_decay=self.cfg.weight_decay,
             muon_lr_ratio=self.cfg.muon_lr_ratio,
-            fused=self.device.type == "cuda",
+            # One kernel per tensor group, no temporaries per step: on CPU 1.7x faster a step than the
+            # default (foreach) where the optimizer dominates (small preset, batch 1 x 64), ~6 % at tiny's.
+            fused=self.device.type in ("cpu", "cuda"),
             muon_matrix=self.model.muon_matrix,
         )
 
