@@ -249,13 +249,28 @@ def test_load_state_round_trip() -> None:
     assert target.sha256 == source.sha256
 
 
-def test_load_state_copies_rather_than_aliases() -> None:
+def test_an_outer_step_replaces_the_state_and_never_writes_the_tensors_held_before() -> None:
+    # The state served to re-syncing peers and a checkpoint being written hold θ_global and the momentum
+    # without a copy of their own: an outer step must leave what they hold as it was.
+    opt = OuterOptimizer(random_tensors(0, SHAPES), OuterConfig())
+    opt.apply(random_tensors(2, SHAPES))
+    held = opt.state_tensors()
+    copies = [t.clone() for t in held]
+    sha = opt.sha256
+    opt.apply(random_tensors(3, SHAPES))
+    assert all(torch.equal(h, c) for h, c in zip(held, copies))
+    assert global_sha256(held[: len(SHAPES)]) == sha != opt.sha256
+    assert all(not torch.equal(h, p) for h, p in zip(held, opt.state_tensors()))
+
+
+def test_load_state_takes_the_tensors_given_and_an_outer_step_leaves_them_unchanged() -> None:
     state = [t.clone() for t in OuterOptimizer(random_tensors(0, SHAPES), OuterConfig()).state_tensors()]
+    copies = [t.clone() for t in state]
     opt = OuterOptimizer(random_tensors(1, SHAPES), OuterConfig())
     opt.load_state(4, state)
-    before = opt.sha256
-    state[0].add_(1.0)
-    assert global_sha256(opt.params) == before
+    assert opt.sha256 == global_sha256(copies[: len(SHAPES)])
+    opt.apply(random_tensors(2, SHAPES))
+    assert all(torch.equal(t, c) for t, c in zip(state, copies))
 
 
 def test_load_state_wrong_count_raises() -> None:

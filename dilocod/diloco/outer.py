@@ -102,8 +102,8 @@ class OuterOptimizer:
 
     def pin_memory(self) -> None:
         """Keep θ_global in page-locked memory (for a CUDA trainer): its copies to the GPU after each round
-        then run as DMA without stalling it. Updates happen in place, so the pages stay pinned. The
-        momentum never leaves the host and stays pageable."""
+        then run as DMA without stalling it. Each tensor that replaces one of θ_global is pinned in turn
+        (`_like`). The momentum never leaves the host and stays pageable."""
         self.params = [p.pin_memory() for p in self.params]
 
     @property
@@ -132,17 +132,20 @@ class OuterOptimizer:
 
         With `indices` (a Streaming DiLoCo fragment), `averaged_delta` holds those tensors only, and only
         their θ and momentum move; the step counter counts such fragment rounds too.
+
+        Each updated tensor is a new one that replaces the old in `params` and `momentum`, never an
+        in-place write: whoever holds the old ones (the snapshot served to re-syncing peers, a checkpoint
+        being written) keeps a consistent state without a copy of its own, and frees it when done.
         """
-        chosen = range(len(self.params)) if indices is None else indices
-        params = [self.params[i] for i in chosen]
-        momentum = [self.momentum[i] for i in chosen]
-        self._check_shapes(averaged_delta, params)
+        chosen = list(range(len(self.params))) if indices is None else list(indices)
+        self._check_shapes(averaged_delta, [self.params[i] for i in chosen])
         mu, lr = self.cfg.momentum, self.cfg.lr
-        for param, buf, delta in zip(params, momentum, averaged_delta):
+        for i, delta in zip(chosen, averaged_delta):
             delta = delta.to(torch.float32)
-            buf.copy_(torch.add(torch.mul(buf, mu), delta))
+            buf = torch.add(torch.mul(self.momentum[i], mu), delta)
             direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
-            param.copy_(torch.sub(param, torch.mul(direction, lr)))
+            self.params[i] = _like(torch.sub(self.params[i], torch.mul(direction, lr)), self.params[i])
+            self.momentum[i] = buf
         self.step += 1
         self.sha256 = global_sha256(self.params)
 
@@ -158,7 +161,18 @@ class OuterOptimizer:
         for own, new in zip([*self.params, *self.momentum], tensors):
             if own.shape != new.shape:
                 raise ValueError(f"state shape mismatch: {tuple(new.shape)} vs {tuple(own.shape)}")
-        for own, new in zip([*self.params, *self.momentum], tensors):
-            own.copy_(new.to(torch.float32))
+        # Taken, not copied into ours (for the reason in `apply`): nothing writes them in place afterwards.
+        params, momentum = tensors[:n], tensors[n:]
+        self.params[:] = [_like(_fp32(t), own) for t, own in zip(params, self.params)]
+        self.momentum[:] = [_fp32(t) for t in momentum]
         self.step = int(step)
         self.sha256 = global_sha256(self.params)
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """`new` in page-locked memory if the θ_global tensor it replaces was (`pin_memory`)."""
+    return new.pin_memory() if old.is_pinned() else new

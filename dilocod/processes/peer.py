@@ -1,8 +1,9 @@
 """The peer daemon (`dilocod join`): one asyncio loop owns the node; training runs in one worker thread.
 
 Life cycle (`startup → main_loop → shutdown`):
-- startup: resume from the run dir's checkpoint (if any), build the trainer, start the DHT and the
-  averager (`netstart.py`), serve HTTP, wire the round driver (`dilocod/rounds/`) to the parts it
+- startup: serve HTTP, take the run's dataset, start the DHT and the averager (`netstart.py`; before
+  any tensor exists, so that their forks share none), resume from the run dir's checkpoint (if any),
+  build the trainer, wire the round driver (`dilocod/rounds/`) to the parts it
   needs, start the status heartbeat;
 - main loop: the round driver: get in step with the run, train until the run's clock closes each round,
   average, apply, re-sync when the run went on without us;
@@ -13,6 +14,7 @@ Life cycle (`startup → main_loop → shutdown`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
+from dilocod.trainer.lm import parameter_template
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
@@ -117,6 +120,17 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         await self._start_http()  # first: /api/status shows a dataset download (`data_fetch`)
         self.cfg = await self._dataset()
+        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
+        # The network before any tensor: hivemind forks its DHT and averager processes from this one, and
+        # a fork keeps every page we hold at that moment. Forked after the model and the checkpoint were
+        # read, each child kept a private copy of every page we later wrote or freed (copy-on-write): the
+        # working copy, θ_global, the momentum, ~8-12 bytes a parameter each. The averager needs only shapes.
+        template = parameter_template(self.cfg.model)
+        self.network = await start_network(
+            self.cfg, self.args.run_dir, self.args.initial_peers, template, self._serve_state,
+            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
+            link=link, check_reducers=self.adversary.checks_reducers,
+        )  # fmt: skip
         opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
             log.warning("%s", note)
@@ -125,23 +139,21 @@ class PeerDaemon:
             self.cfg = await ensure_init(
                 self.cfg, self.args.run_dir, self.args.initial_peers, self._client_host(), self.metrics
             )
-        self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         partial = self.feed.partial_copy(self.cfg)
-        resumed = await loop.run_in_executor(
-            self.pool,
-            lambda: build_trainer(self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial),
+        build = functools.partial(
+            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial
         )
+        del checkpoint, opened  # once restored, the checkpoint's tensors are garbage
+        resumed = await loop.run_in_executor(self.pool, build)
+        del build
+        if [tuple(p.shape) for p in resumed.outer.params] != [tuple(t.shape) for t in template]:
+            raise RuntimeError("the model's parameters do not have the shapes the averager was started with")
         self.resumed = resumed
         self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
         window_map = self.adversary.windows(self.cfg.trainer.seq_len)
         if window_map is not None:
             resumed.trainer.window_map = window_map
-        self.network = await start_network(
-            self.cfg, self.args.run_dir, self.args.initial_peers, resumed.outer.params, self._serve_state,
-            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
-            link=link, check_reducers=self.adversary.checks_reducers,
-        )  # fmt: skip
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
         if not self.network.client:  # a newcomer given our address takes the run's manifest from us
             await self.network.node.serve_manifest(self.manifests.blob)
@@ -366,7 +378,7 @@ class PeerDaemon:
         if self.local_group is not None:
             await loop.run_in_executor(self.pool, self.local_group.stop)
         self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.network is not None:  # a daemon that never started says nothing more than its error
+        if self.resumed is not None:  # a daemon that never started says nothing more than its error
             log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
 
     async def _final_checkpoint(self) -> None:

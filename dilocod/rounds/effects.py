@@ -199,7 +199,8 @@ class Effects:
         self.metrics.rounds.labels(result=outcome.value).inc()
         self._count(outcome, effect)
         self._log(outcome, effect, entry)
-        self.context.outcome = None
+        # Settled: its Δ and average (4 + 4 bytes a parameter) must not live through the next round.
+        self.context.outcome = self.context.contribution = None
         self.context.sent_tokens, self.context.counted = 0, 0.0
         self.sync_tokens()
 

@@ -94,7 +94,9 @@ class StateSync:
     # ---- serving ours --------------------------------------------------------------------------------
     def share(self) -> None:
         """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
-        tensors = self.adversary.poison_state([t.clone() for t in self.outer.state_tensors()])
+        # The live tensors, not a copy (8 bytes a parameter): an outer step or an adoption replaces them
+        # with new ones (`OuterOptimizer.apply`), so these stay what the snapshot's hash says.
+        tensors = self.adversary.poison_state(self.outer.state_tensors())
         self.snapshot = (self._meta(tensors, 0), tensors)
         self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
 
