@@ -176,8 +176,9 @@ class RoundPipeline:
     def _keep_previous(self) -> None:
         if not self.settings.keep_previous:
             return
-        tensors = [t.clone() for t in self.outer.state_tensors()]
-        self.previous = Previous(self.outer.step, self.outer.sha256, tensors)
+        # The tensors themselves, not clones: the outer step replaces θ_global and the momentum with new
+        # tensors and never writes these (`OuterOptimizer.apply`).
+        self.previous = Previous(self.outer.step, self.outer.sha256, self.outer.state_tensors())
 
     def _merge_working_copy(self, contribution: Contribution) -> None:
         overlap = self.settings.overlap
