@@ -28,7 +28,16 @@ def _ok_counts(statuses: list[dict[str, Any]]) -> dict[int, int]:
 @pytest.mark.timeout(480)  # three starts of one peer; 195 s measured on 2 cores shared with a full suite
 def test_three_peers_train_agree_and_resume(swarm: Callable[..., Swarm]) -> None:
     s = swarm(3)
-    statuses = s.wait_all_at(3, timeout=240, evaluated=True)
+    s.wait_all_at(3, timeout=240, evaluated=True)
+
+    # All three meet in a round. A peer whose start was slow (6 s to check the dataset beside a busy loop,
+    # against 2 s for the others) finds the run a few of the test's ~1 s rounds on and re-syncs first: so
+    # this is waited for, not asserted at the step the others reached.
+    def all_three_met() -> list[dict[str, Any]] | None:
+        found = [peer.status() for peer in s.peers]
+        return found if any(count == 3 for count in _ok_counts(found).values()) else None
+
+    statuses = wait_for("a round that all 3 peers had ok", all_three_met, 60)
 
     # Every peer that reports a given outer step holds the same θ_global bits.
     hashes = round_hashes(statuses)
