@@ -12,8 +12,10 @@ joins and downloads the run's state. Reported:
   step, eval, the checkpoint's pause), the checkpoint write (in the background), and a joiner's download;
 - memory, sampled every 2 s: each process of each peer's tree (the daemon, hivemind's DHT and averager
   forks, p2pd, torch's shm manager) as proportional set size (PSS) per parameter, at the end and at its
-  peak; the sum over a tree is the peer's memory (a page shared between a daemon and its forks counts
-  once). Goal (issue 27): a CPU peer ≤ 32 bytes a parameter in all its processes together.
+  peak, the tree's floor once every peer had averaged a round (what it holds between rounds; the end
+  falls wherever in a round the last sample did), and at the end by kind of mapping (heap, anonymous,
+  shared memory, files); the sum over a tree is the peer's memory (a page shared between a daemon and
+  its forks counts once). Goal (issue 27): a CPU peer ≤ 32 bytes a parameter in all its processes together.
 
 The 124m preset needs ~4 GB a peer: check `free -g` first. `--preset small` (20.7M) is a quick run.
 """
@@ -36,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procstats import pss_kb, tree  # noqa: E402
+from procstats import memory_by_kind, pss_kb, tree  # noqa: E402
 
 from dilocod.trainer import ModelConfig, count_params  # noqa: E402
 from dilocod.trainer.model import Transformer  # noqa: E402
@@ -85,6 +87,11 @@ class Sampler:
         self.last: dict[str, dict[str, float]] = {}
         self.peak: dict[str, dict[str, float]] = {}
         self.peak_total: dict[str, float] = {}
+        # The least a peer held once training had begun (set `steady` then): its state between rounds,
+        # where `last` is wherever in a round the final sample fell.
+        self.steady = False
+        self.floor_total: dict[str, float] = {}
+        self.kinds: dict[str, dict[str, dict[str, float]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -107,7 +114,23 @@ class Sampler:
             peak = self.peak.setdefault(proc.name, {})
             for role, mb in parts.items():
                 peak[role] = max(peak.get(role, 0.0), mb)
-            self.peak_total[proc.name] = max(self.peak_total.get(proc.name, 0.0), sum(parts.values()))
+            total = sum(parts.values())
+            self.peak_total[proc.name] = max(self.peak_total.get(proc.name, 0.0), total)
+            if self.steady:
+                self.floor_total[proc.name] = min(self.floor_total.get(proc.name, total), total)
+
+    def read_kinds(self) -> None:
+        """Each process's PSS by kind of mapping (heap, anon, shm, file): what the copies are."""
+        for proc in list(self.procs):
+            if proc.popen is None or proc.popen.poll() is not None:
+                continue
+            kinds: dict[str, dict[str, float]] = {}
+            for pid, role in process_names(proc.popen.pid).items():
+                try:
+                    kinds[role] = memory_by_kind(pid)
+                except OSError:
+                    continue
+            self.kinds[proc.name] = kinds
 
     def stop(self) -> None:
         self._stop.set()
@@ -175,6 +198,11 @@ def memory_table(sampler: Sampler, params: int) -> list[dict[str, Any]]:
             "total_bytes_per_param": round(sum(parts.values()) * 2**20 / params, 1),
             "peak_bytes_per_param": peak,
             "peak_total_bytes_per_param": round(sampler.peak_total.get(name, 0.0) * 2**20 / params, 1),
+            "floor_total_bytes_per_param": round(sampler.floor_total.get(name, 0.0) * 2**20 / params, 1),
+            "by_kind_bytes_per_param": {
+                role: {k: round(mb * 2**20 / params, 1) for k, mb in kinds.items()}
+                for role, kinds in sampler.kinds.get(name, {}).items()
+            },
         })  # fmt: skip
     return rows
 
@@ -204,9 +232,12 @@ def main() -> int:
                 s.add_peer()
             assert s.bootstrap is not None
             sampler = Sampler([s.bootstrap, *s.peers])
+            s.wait_all_at(1, timeout=args.timeout)
+            sampler.steady = True
             s.wait_all_at(args.rounds, timeout=args.timeout)
             time.sleep(3)  # the last round's checkpoint and trim
             sampler.read()
+            sampler.read_kinds()
             result["phases"] = {proc.name: phases(proc) for proc in s.peers}
             if args.joiner:
                 joiner = s.add_peer()
@@ -235,15 +266,18 @@ def report(result: dict[str, Any]) -> None:
         print(f"  {name}: {ph}")
     if result.get("joiner"):
         print(f"  joiner: {result['joiner']}")
-    print("memory, bytes per parameter (PSS) now [peak]:")
+    print("memory, bytes per parameter (PSS) now [peak] (total's floor after the first round):")
     for row in result.get("memory", []):
         parts = "  ".join(
             f"{role} {v} [{row['peak_bytes_per_param'].get(role, v)}]"
             for role, v in row["bytes_per_param"].items()
         )
         print(
-            f"  {row['process']:<10} total {row['total_bytes_per_param']} [{row['peak_total_bytes_per_param']}]  {parts}"
+            f"  {row['process']:<10} total {row['total_bytes_per_param']} [{row['peak_total_bytes_per_param']}] "
+            f"({row['floor_total_bytes_per_param']})  {parts}"
         )
+        for role, kinds in row.get("by_kind_bytes_per_param", {}).items():
+            print(f"    {role:<12} " + "  ".join(f"{k} {v}" for k, v in kinds.items()))
 
 
 if __name__ == "__main__":
