@@ -9,6 +9,7 @@ import pytest
 
 from dilocod.data.prepare import prepare
 from dilocod.data.shards import load_index
+from tests import harness
 from tests.conftest_netbed import netbed, wan  # noqa: F401  (the network-namespace test bed)
 from tests.harness import FAST, Swarm
 
@@ -36,10 +37,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
+    shown: set[int] = set()
     for name in ("swarm", "module_swarm"):
         make = getattr(item, "funcargs", {}).get(name)
         for i, s in enumerate(getattr(make, "made", [])):
             report.sections.append((f"log tails of {name} {i}", s.log_tails(2500)))
+            shown.add(id(s))
+    for i, s in enumerate(harness.SWARMS_OF_THIS_TEST):  # made by the test itself (Swarm(...))
+        if id(s) not in shown:
+            report.sections.append((f"log tails of the test's swarm {i}", s.log_tails(2500)))
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_last_tests_swarms() -> None:
+    harness.SWARMS_OF_THIS_TEST.clear()
 
 
 def _swarm_factory(root: Path) -> tuple[Callable[..., Swarm], list[Swarm]]:

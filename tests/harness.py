@@ -201,6 +201,11 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+# Every swarm made during the current test (cleared before each by conftest): a failed test shows their
+# processes' log tails, however the test made them.
+SWARMS_OF_THIS_TEST: list[Swarm] = []
+
+
 @dataclass
 class Swarm:
     root: Path
@@ -210,6 +215,9 @@ class Swarm:
     peers: list[Proc] = field(default_factory=list)
     poll_interval: float = 0.5  # between status polls in the wait_* helpers
     config: Path = REPO / "configs" / "tiny.toml"  # every process's --config (the bootstrap's too)
+
+    def __post_init__(self) -> None:
+        SWARMS_OF_THIS_TEST.append(self)
 
     # Placement hooks: loopback here; tests/wanrun.py's NetSwarm overrides them for namespaces.
     def _listen_host(self, where: str | None) -> str:

@@ -17,6 +17,7 @@ from dilocod.statesync.checkpoint import (
     TEMP_PREFIX,
     VERSION,
     CheckpointError,
+    check_checkpoint,
     checkpoint_path,
     load_checkpoint,
     save_checkpoint,
@@ -221,6 +222,25 @@ def test_garbage_file_is_refused(tmp_path: Path) -> None:
 def test_empty_file_is_refused(tmp_path: Path) -> None:
     checkpoint_path(tmp_path).write_bytes(b"")
     assert_refused(tmp_path)
+
+
+def test_the_check_before_the_network_refuses_what_open_refuses_and_leaves_damage_to_it(
+    tmp_path: Path,
+) -> None:
+    # A peer checks its checkpoint before it starts its network (one error line, nothing started), and
+    # reads it only after hivemind has forked: the check must refuse a whole foreign file without reading
+    # tensors, and leave a damaged one where it is for `open_checkpoint` to move aside.
+    check_checkpoint(tmp_path)  # none: fine
+    save_checkpoint(tmp_path, realistic_payload())
+    check_checkpoint(tmp_path)  # ours: fine
+    path = checkpoint_path(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    check_checkpoint(tmp_path)
+    assert path.read_bytes() == data[: len(data) // 2]
+    torch.save({"format": "another program's", "weights": torch.zeros(3)}, path)
+    with pytest.raises(CheckpointError, match="not a dilocod checkpoint"):
+        check_checkpoint(tmp_path)
 
 
 def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:

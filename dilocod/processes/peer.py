@@ -45,7 +45,7 @@ from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
 from dilocod.statesync.catchup import StateSync
-from dilocod.statesync.checkpoint import open_checkpoint
+from dilocod.statesync.checkpoint import check_checkpoint, open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
 from dilocod.trainer.lm import parameter_template
@@ -120,6 +120,8 @@ class PeerDaemon:
         loop = asyncio.get_running_loop()
         await self._start_http()  # first: /api/status shows a dataset download (`data_fetch`)
         self.cfg = await self._dataset()
+        # A checkpoint this dilocod must not use stops us before anything starts (one line, no network).
+        await loop.run_in_executor(None, check_checkpoint, self.args.run_dir)
         self.cfg, link = resolve_deadlines(self.cfg)  # auto (0) deadlines from the model and our link
         # The network before any tensor: hivemind forks its DHT and averager processes from this one, and
         # a fork keeps every page we hold at that moment. Forked after the model and the checkpoint were

@@ -100,12 +100,13 @@ class UnreadableCheckpoint(CheckpointError):
         self.path, self.reason = path, reason
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     """One checkpoint file. UnreadableCheckpoint if damaged; CheckpointError if whole but not one this
-    dilocod can use (another format or version: a wrong --run-dir or binary, which the operator decides)."""
+    dilocod can use (another format or version: a wrong --run-dir or binary, which the operator decides).
+    With `mmap`, the tensors are mapped from the file, not read (a check that reads only the header)."""
     try:
         # weights_only: a checkpoint file must never be able to run code.
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         # torch's own message advises turning weights_only off, which would run whatever the file holds.
         reason = "not a dilocod checkpoint, or it holds objects other than tensors and plain data"
@@ -151,6 +152,20 @@ def open_checkpoint(run_dir: Path) -> Opened:
             "no whole checkpoint left: starting from the run's state, downloaded from its peers"
         )
     return opened
+
+
+def check_checkpoint(run_dir: Path) -> None:
+    """Raise the CheckpointError `open_checkpoint` would (a whole file this dilocod must not use), reading
+    no tensor: a peer checks this before it starts its network, and reads the checkpoint after forking
+    hivemind's processes, so that they hold no copy of it. A damaged file is left to `open_checkpoint`."""
+    for path in (checkpoint_path(run_dir), run_dir / PREVIOUS):
+        if not path.exists():
+            continue
+        try:
+            read_checkpoint(path, mmap=True)
+            return
+        except UnreadableCheckpoint:
+            continue
 
 
 def _sweep_temporaries(run_dir: Path) -> list[str]:
