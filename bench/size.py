@@ -30,8 +30,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +44,8 @@ from procstats import memory_by_kind, pss_kb, tree  # noqa: E402
 from dilocod.trainer import ModelConfig, count_params  # noqa: E402
 from dilocod.trainer.model import Transformer  # noqa: E402
 from tests.harness import Proc, Swarm  # noqa: E402
+
+T = TypeVar("T")
 
 SETTINGS = (
     "trainer.inner_steps=3",
@@ -100,37 +103,35 @@ class Sampler:
         while not self._stop.wait(2.0):
             self.read()
 
-    def read(self) -> None:
+    def _each_process(self, measure: Callable[[int], T]) -> dict[str, dict[str, T]]:
+        """`measure(pid)` of each process of each live peer's tree, keyed by peer and role."""
+        found: dict[str, dict[str, T]] = {}
         for proc in list(self.procs):
             if proc.popen is None or proc.popen.poll() is not None:
                 continue
-            parts: dict[str, float] = {}
+            parts: dict[str, T] = {}
             for pid, role in process_names(proc.popen.pid).items():
                 try:
-                    parts[role] = pss_kb(pid) / 1024
-                except OSError:
+                    parts[role] = measure(pid)
+                except OSError:  # the process ended meanwhile
                     continue
-            self.last[proc.name] = parts
-            peak = self.peak.setdefault(proc.name, {})
+            found[proc.name] = parts
+        return found
+
+    def read(self) -> None:
+        for name, parts in self._each_process(lambda pid: pss_kb(pid) / 1024).items():
+            self.last[name] = parts
+            peak = self.peak.setdefault(name, {})
             for role, mb in parts.items():
                 peak[role] = max(peak.get(role, 0.0), mb)
             total = sum(parts.values())
-            self.peak_total[proc.name] = max(self.peak_total.get(proc.name, 0.0), total)
+            self.peak_total[name] = max(self.peak_total.get(name, 0.0), total)
             if self.steady:
-                self.floor_total[proc.name] = min(self.floor_total.get(proc.name, total), total)
+                self.floor_total[name] = min(self.floor_total.get(name, total), total)
 
     def read_kinds(self) -> None:
         """Each process's PSS by kind of mapping (heap, anon, shm, file): what the copies are."""
-        for proc in list(self.procs):
-            if proc.popen is None or proc.popen.poll() is not None:
-                continue
-            kinds: dict[str, dict[str, float]] = {}
-            for pid, role in process_names(proc.popen.pid).items():
-                try:
-                    kinds[role] = memory_by_kind(pid)
-                except OSError:
-                    continue
-            self.kinds[proc.name] = kinds
+        self.kinds.update(self._each_process(memory_by_kind))
 
     def stop(self) -> None:
         self._stop.set()

@@ -138,7 +138,7 @@ def open_checkpoint(run_dir: Path) -> Opened:
     Raises CheckpointError only for a whole file this dilocod must not use (another format or version)."""
     opened = Opened(None, notes=_sweep_temporaries(run_dir))
     damaged = False
-    for path in (checkpoint_path(run_dir), run_dir / PREVIOUS):
+    for path in _newest_first(run_dir):
         if not path.exists():
             continue
         try:
@@ -158,7 +158,7 @@ def check_checkpoint(run_dir: Path) -> None:
     """Raise the CheckpointError `open_checkpoint` would (a whole file this dilocod must not use), reading
     no tensor: a peer checks this before it starts its network, and reads the checkpoint after forking
     hivemind's processes, so that they hold no copy of it. A damaged file is left to `open_checkpoint`."""
-    for path in (checkpoint_path(run_dir), run_dir / PREVIOUS):
+    for path in _newest_first(run_dir):
         if not path.exists():
             continue
         try:
@@ -166,6 +166,11 @@ def check_checkpoint(run_dir: Path) -> None:
             return
         except UnreadableCheckpoint:
             continue
+
+
+def _newest_first(run_dir: Path) -> tuple[Path, Path]:
+    """The checkpoint and the one it replaced: where a peer looks for a whole one, in that order."""
+    return checkpoint_path(run_dir), run_dir / PREVIOUS
 
 
 def _sweep_temporaries(run_dir: Path) -> list[str]:
