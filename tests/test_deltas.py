@@ -61,6 +61,21 @@ def test_a_delta_of_another_shape_is_refused() -> None:
         asyncio.run(fetch_delta(asker(store), 1, SHAPES))
 
 
+def test_our_own_delta_decodes_as_a_scorer_would_decode_it() -> None:
+    store = DeltaStore()
+    delta = sent(3)
+    store.keep(5, delta, None, 64, [])
+    fetched = asyncio.run(fetch_delta(asker(store), 5, SHAPES))
+    own = store.own(5, SHAPES)
+    assert own is not None and own[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(own[0], fetched.delta))  # the same reference on both sides
+    store.keep(6, [sent(4)[1]], [1], 64, [])
+    part = store.own(6, SHAPES)
+    assert part is not None and part[1] == [1] and [t.shape for t in part[0]] == [SHAPES[1]]
+    assert store.own(4, SHAPES) is None  # nothing kept for that round
+    assert store.own(5, [torch.Size([7])]) is None  # kept for other shapes: no reference, no error
+
+
 def test_a_non_finite_delta_is_not_kept() -> None:
     store = DeltaStore()
     store.keep(1, [torch.full((4,), float("nan"))], None, 1, [])

@@ -22,7 +22,7 @@ import pytest
 
 from dilocod.cli import main
 from tests.harness import REPO, Swarm, free_port, get_json, get_text, wait_for
-from tests.tools import CHROMIUM_ARGS, artifact, in_ci, need_program
+from tests.tools import CHROMIUM_ARGS, artifact, need_program, playwright
 
 pytestmark = pytest.mark.integration
 
@@ -210,17 +210,6 @@ READY_JS = """([n, charts]) => {
 }"""
 
 
-def _playwright() -> Any:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        reason = "the playwright package is missing (pip install -e '.[dev]'); CI=true makes this a failure"
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)  # only outside CI: under CI=true it failed just above
-    return sync_playwright
-
-
 def _sample(live: Swarm) -> dict[str, Any]:
     """The bootstrap's newest sample of θ_global (the peers write one every 2 rounds here)."""
     assert live.bootstrap is not None
@@ -268,7 +257,7 @@ def _open_dashboard(browser: Any, url: str, peers: int, screenshot: Path) -> dic
 
 def test_dashboard_renders_the_live_run(live: Swarm) -> None:
     chromium = need_program("chromium")
-    sync_playwright = _playwright()
+    sync_playwright = playwright()
     assert live.bootstrap is not None
     ids = sorted(_peer_ids(live))
     sample = _sample(live)

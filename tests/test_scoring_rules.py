@@ -59,6 +59,38 @@ def test_a_score_passes_only_real_work_on_the_claimed_data(losses: Losses, passe
     assert score(losses).passed is passed
 
 
+@pytest.mark.parametrize(
+    ("losses", "passed", "margin"),
+    [
+        # trained on the claimed data: it gains there more than the reference (work on other chunks)
+        (Losses(3.0, 2.4, 3.0, 2.9, reference_after=2.8), True, 0.1333),
+        # trained on other data: it gains on the claimed data as much as the reference, or less
+        (Losses(3.0, 2.8, 3.0, 2.9, reference_after=2.8), False, 0.0),
+        (Losses(3.0, 2.9, 3.0, 2.5, reference_after=2.7), False, -0.0667),
+        # an easy chunk: random text gains less than the claimed data for every Δ; only the reference tells
+        (Losses(3.0, 2.4, 3.0, 2.95, reference_after=2.4), False, 0.0),
+        # a hard chunk: random text gains more, but the work is on the claimed data (beyond random < 0)
+        (Losses(3.0, 2.85, 3.0, 2.7, reference_after=2.95), True, 0.0333),
+        # a zero Δ beside a reference that hurts the claimed data: still no work
+        (Losses(3.0, 3.0, 3.0, 3.0, reference_after=3.3), False, 0.1),
+        (Losses(3.0, 2.4, 3.0, 2.9, reference_after=float("nan")), False, None),
+        # a scorer with a reference measures no random text (it is not needed): the verdict is the same
+        (Losses(3.0, 2.4, reference_after=2.8), True, 0.1333),
+        (Losses(3.0, 2.8, reference_after=2.8), False, 0.0),
+        (Losses(3.0, 2.4), False, None),  # nothing to compare the claimed data's gain with
+    ],
+)
+def test_with_a_reference_the_claimed_data_must_gain_more_than_from_work_on_other_data(
+    losses: Losses, passed: bool, margin: float | None
+) -> None:
+    verdict = score(losses)
+    assert verdict.passed is passed
+    if margin is None:
+        assert verdict.reference_margin is None
+    else:
+        assert verdict.reference_margin == pytest.approx(margin, abs=1e-4)
+
+
 def test_ratings_gate_a_failing_peer_then_ban_it_and_let_a_recovered_one_back() -> None:
     rule = RatingRule()
     good, bad = score(Losses(3.0, 2.7, 3.0, 2.9)), score(Losses(3.0, 3.0, 3.0, 3.0))

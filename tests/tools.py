@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,6 +40,18 @@ def need_program(name: str, package: str | None = None) -> str:
     if in_ci():
         pytest.fail(reason)
     pytest.skip(reason)  # only outside CI: under CI=true it failed just above
+
+
+def playwright() -> Any:
+    """playwright's `sync_playwright`; fails under CI and skips elsewhere when the package is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "the playwright package is missing (pip install -e '.[dev]'); CI=true makes this a failure"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)  # only outside CI: under CI=true it failed just above
+    return sync_playwright
 
 
 def artifact(name: str) -> Path:

@@ -5,7 +5,9 @@
 - `/api/status`: this node (a peer's includes its recent rounds);
 - `/api/run`: `peers`, every live peer's latest status record, from this node's view of the DHT,
   `dataset`, the run's progress through its dataset (the chunk schedule), as this node knows it, and
-  `sample`, the newest completion of the run's prompt from θ_global (`runview.newest_sample`);
+  `sample`, the newest completion of the run's prompt from θ_global (`runview.newest_sample`), and
+  `scoring`, each scored peer's rating and latest verdicts (`scoreview.score_view`; null when the run
+  does not score contributions);
 - `/api/run/manifest`: the run manifest this node runs with (`dilocod/manifest/`), with its hash;
 - `/api/history`: what this node has seen of the run over time (`dilocod.observability.history`).
 """
@@ -25,6 +27,7 @@ from dilocod.observability.metrics import Metrics
 
 StatusFn = Callable[[], dict[str, Any]]
 RunFn = Callable[[], Awaitable[list[dict[str, Any]]]]
+ScoringFn = Callable[[], Awaitable[dict[str, Any] | None]]
 
 STATIC = {"app.js": "application/javascript", "style.css": "text/css"}
 
@@ -58,9 +61,10 @@ class HttpServer:
         manifest: Callable[[], dict[str, Any] | None] | None = None,
         dataset: Callable[[], dict[str, Any] | None] | None = None,
         sample: Callable[[list[dict[str, Any]]], dict[str, Any] | None] | None = None,
+        scoring: ScoringFn | None = None,
     ) -> None:
         self._metrics, self._status, self._run, self._manifest = metrics, status, run, manifest
-        self._dataset, self._sample = dataset, sample
+        self._dataset, self._sample, self._scoring = dataset, sample, scoring
         self._history = history if history is not None else RunHistory()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -112,7 +116,8 @@ class HttpServer:
         dataset = self._dataset() if self._dataset is not None else None
         peers = await self._run()
         sample = self._sample(peers) if self._sample is not None else None
-        return json_response({"peers": peers, "dataset": dataset, "sample": sample})
+        scoring = await self._scoring() if self._scoring is not None else None
+        return json_response({"peers": peers, "dataset": dataset, "sample": sample, "scoring": scoring})
 
     async def _manifest_handler(self, _request: web.Request) -> web.Response:
         manifest = self._manifest() if self._manifest is not None else None

@@ -160,6 +160,7 @@ class PeerState:
             "bytes_received": self.bytes_received,
             "last_round_seconds": self.last_round_seconds,
             "compute_utilization": self.compute_utilization(),
+            "train_seconds": round(self.train_seconds, 3),
             "uptime_seconds": time.time() - self.started,
             "version": __version__,
             "rounds": [vars(r) for r in self.history],

@@ -21,10 +21,12 @@ from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.runview import flag_manifests, newest_sample, read_run
+from dilocod.observability.scoreview import published_verdicts, score_view
 from dilocod.processes.chunks import ChunkService, serve_no_schedule, start_service
 from dilocod.processes.dataset import serve_dataset, served_status
 from dilocod.processes.helper import AuxReducer
 from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
+from dilocod.trust.scoring import RatingRule
 from peers.datashare import DataServer
 from peers.errors import PeersError
 from peers.node import Node, NodeOptions, first_public_maddrs
@@ -106,7 +108,7 @@ class BootstrapDaemon:
             if self.args.http_port is not None:
                 self.http = HttpServer(
                     self.metrics, self.status, self.run_view, self.history, manifest=self._manifest_json,
-                    dataset=self.dataset_progress, sample=self.sample,
+                    dataset=self.dataset_progress, sample=self.sample, scoring=self.scoring_view,
                 )  # fmt: skip
                 port = await self.http.start(self.args.http_host, self.args.http_port)
                 log.info("dashboard: http://%s:%d/  (run API: /api/run)", self._display_host(), port)
@@ -231,6 +233,13 @@ class BootstrapDaemon:
                 log.debug("reading the run failed: %r", e)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), REFRESH_SECONDS)
+
+    async def scoring_view(self) -> dict[str, Any] | None:
+        """The scorers' published verdicts, unchecked: a bootstrap is in no round (dilocod/observability/scoreview.py)."""
+        cfg = self.args.config
+        if cfg is None or not cfg.scoring.enabled or self.node is None or self.node.dht is None:
+            return None
+        return score_view(await published_verdicts(self.node, self.args.run_id), RatingRule())
 
     async def run_view(self) -> list[dict[str, Any]]:
         if self.node is None or self.node.dht is None:

@@ -356,7 +356,7 @@ class PeerDaemon:
             return
         self.http = HttpServer(
             self.metrics, self.status, self.run_view, self.history, manifest=self.args.manifest.to_json,
-            dataset=self.dataset_progress, sample=self.sample,
+            dataset=self.dataset_progress, sample=self.sample, scoring=self.scoring_view,
         )  # fmt: skip
         port = await self.http.start(self.args.http_host, self.args.http_port)
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
@@ -424,6 +424,9 @@ class PeerDaemon:
     def sample(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
         ours = [r for r in records if not r.get("other_manifest")]
         return newest_sample(ours, self.cfg.trainer.sample_prompt)
+
+    async def scoring_view(self) -> dict[str, Any] | None:
+        return self.scoring.run_view() if self.scoring is not None else None
 
     async def run_view(self) -> list[dict[str, Any]]:
         if self.network is None or self.network.node.dht is None:

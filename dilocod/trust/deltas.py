@@ -85,6 +85,20 @@ class DeltaStore:
         with self._lock:
             return list(self._kept)
 
+    def own(
+        self, step: int, shapes: Sequence[torch.Size]
+    ) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        """The Δ we sent at `step`, decoded as a scorer decodes a fetched one (the reference a scorer compares
+        others with), and the tensors it covers; None when none is kept or it does not fit `shapes`."""
+        with self._lock:
+            kept = self._kept.get(step)
+        if kept is None:
+            return None
+        try:
+            return _unflatten(self.codec.decode(kept.payload, kept.numel), kept.numel, kept.indices, shapes)
+        except (ValueError, CodecError):
+            return None
+
     async def handle(self, _peer: str, request: bytes) -> bytes:
         """Answer one request (peers/unary.py calls it with the requester's peer id)."""
         try:
@@ -132,18 +146,34 @@ async def fetch_delta(ask: Ask, step: int, shapes: Sequence[torch.Size]) -> Fetc
         payloads.append(reply["payload"])
         received += len(reply["payload"])
     indices = first.get("indices")
-    wanted = [shapes[i] for i in indices] if indices is not None else list(shapes)
-    if indices is not None and any(i >= len(shapes) for i in indices):
-        raise ValueError("the Δ names tensors θ_global does not have")
-    numel = sum(int(torch.Size(s).numel()) for s in wanted)
-    if numel != first["numel"]:
-        raise ValueError(f"the Δ has {first['numel']} elements, θ_global's tensors {numel}")
-    flat = make_codec(CODEC).decode(b"".join(payloads), numel)
-    delta, at = [], 0
-    for shape in wanted:
-        n = int(torch.Size(shape).numel())
-        delta.append(flat[at : at + n].reshape(shape))
-        at += n
+    _wanted(first["numel"], indices, shapes)  # before decoding: a lie about the size costs nothing
+    flat = make_codec(CODEC).decode(b"".join(payloads), first["numel"])
+    delta, _ = _unflatten(flat, first["numel"], indices, shapes)
     chunks = first.get("chunks") or []
     parts = [tuple(chunks[i : i + 4]) for i in range(0, len(chunks), 4)]
     return Fetched(step, delta, indices, first["tokens"], parts, received)  # type: ignore[arg-type]
+
+
+def _wanted(numel: int, indices: list[int] | None, shapes: Sequence[torch.Size]) -> list[torch.Size]:
+    """The shapes of θ_global's tensors a Δ of `numel` elements over `indices` covers, or ValueError."""
+    if indices is not None and any(not 0 <= i < len(shapes) for i in indices):
+        raise ValueError("the Δ names tensors θ_global does not have")
+    wanted = (
+        [torch.Size(shapes[i]) for i in indices] if indices is not None else [torch.Size(s) for s in shapes]
+    )
+    total = sum(int(s.numel()) for s in wanted)
+    if total != numel:
+        raise ValueError(f"the Δ has {numel} elements, θ_global's tensors {total}")
+    return wanted
+
+
+def _unflatten(
+    flat: torch.Tensor, numel: int, indices: list[int] | None, shapes: Sequence[torch.Size]
+) -> tuple[list[torch.Tensor], list[int] | None]:
+    """A flat decoded Δ cut into the shapes of the tensors it covers."""
+    delta, at = [], 0
+    for shape in _wanted(numel, indices, shapes):
+        n = int(shape.numel())
+        delta.append(flat[at : at + n].reshape(shape))
+        at += n
+    return delta, indices

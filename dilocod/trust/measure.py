@@ -4,7 +4,11 @@ turns them into a verdict). Torch only, no I/O.
 The model is the scorer's own copy (never the trainer's working copy): its parameters are overwritten with
 θ_global as the round started, the loss is measured on the claimed and on random sequences, then with
 θ_global − step·Δ, and measured again. With `step` = 1 the second point is exactly where the contributor's
-inner steps ended (Δ = θ_global − θ_local), up to the codec's rounding.
+inner steps ended (Δ = θ_global − θ_local), up to the codec's rounding. With a reference Δ (the scorer's
+own, trained on other chunks), the claimed sequences are measured once more at θ_global − step·s·Δ_ref,
+where s = min(1, ‖Δ‖ / ‖Δ_ref‖): a contributor that ran fewer inner steps than the scorer is compared with
+as long a step of the reference, and a Δ made larger than the scorer's never stretches the reference past
+where its own steps ended (a lie about size earns nothing).
 """
 
 from __future__ import annotations
@@ -52,6 +56,16 @@ def _loss(model: nn.Module, batch: Batch) -> float:
     return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
 
 
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    return float(sum(float(t.float().pow(2).sum()) for t in tensors)) ** 0.5
+
+
+def reference_step(delta: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], step: float) -> float:
+    """How far along the reference Δ its loss is measured: as far as Δ reaches, never past its own end."""
+    size = _norm(reference)
+    return step * min(1.0, _norm(delta) / size) if size > 0 else step
+
+
 @torch.no_grad()
 def measure(
     model: nn.Module,
@@ -59,25 +73,48 @@ def measure(
     delta: Sequence[torch.Tensor],
     indices: Sequence[int] | None,
     claimed: Batch,
-    random: Batch,
+    random: Batch | None,
     step: float = 1.0,
+    reference: Sequence[torch.Tensor] | None = None,
 ) -> Losses:
-    """The four losses for Δ (over the tensors `indices`, all when None) from θ_global `start`."""
+    """The losses for Δ (over the tensors `indices`, all when None) from θ_global `start` on the claimed
+    sequences, and on the random ones when given; and for the reference Δ (the same tensors) on the claimed
+    sequences, when one is given."""
     params = model_params(model)
     if len(params) != len(start):
         raise ValueError(f"θ_global has {len(start)} tensors, the model {len(params)}")
     targets = list(range(len(params))) if indices is None else list(indices)
-    if len(targets) != len(delta) or any(params[i].shape != d.shape for i, d in zip(targets, delta)):
-        raise ValueError("Δ does not have the model's shapes")
+    for what in (delta, reference or delta):
+        if len(targets) != len(what) or any(params[i].shape != d.shape for i, d in zip(targets, what)):
+            raise ValueError("Δ does not have the model's shapes")
     was_training = model.training
     model.eval()
     try:
-        for p, s in zip(params, start):
-            p.copy_(s)
-        claimed_before, random_before = _loss(model, claimed), _loss(model, random)
-        for i, d in zip(targets, delta):
-            params[i].sub_(d.to(params[i].dtype) * step)
-        claimed_after, random_after = _loss(model, claimed), _loss(model, random)
+        _step_from(params, start, targets, delta, 0.0)
+        claimed_before = _loss(model, claimed)
+        random_before = None if random is None else _loss(model, random)
+        _step_from(params, start, targets, delta, step)
+        claimed_after = _loss(model, claimed)
+        random_after = None if random is None else _loss(model, random)
+        reference_after = None
+        if reference is not None:
+            _step_from(params, start, targets, reference, reference_step(delta, reference, step))
+            reference_after = _loss(model, claimed)
     finally:
         model.train(was_training)
-    return Losses(claimed_before, claimed_after, random_before, random_after)
+    return Losses(claimed_before, claimed_after, random_before, random_after, reference_after)
+
+
+def _step_from(
+    params: Sequence[nn.Parameter],
+    start: Sequence[torch.Tensor],
+    targets: Sequence[int],
+    delta: Sequence[torch.Tensor],
+    step: float,
+) -> None:
+    """The model's parameters ← θ_global − step·Δ."""
+    for p, s in zip(params, start):
+        p.copy_(s)
+    if step:
+        for i, d in zip(targets, delta):
+            params[i].sub_(d.to(params[i].dtype) * step)

@@ -4,11 +4,14 @@ scoring, as pure functions (no tensors, no network).
 - **Assignment.** Each round, every full node scores one or two other contributors. The choice is seeded
   by the round's agreed θ_global hash, so every peer computes the same table without a message, and a
   contributor cannot pick its scorer (the hash is known only once the round before was applied).
-- **A score** compares the loss on a few sequences of the chunks the contributor's ticket named, and on as
-  many random training sequences, before and after a small step along its Δ. Real work on the claimed data
-  lowers the loss on it, and by more than on random text; a zero Δ lowers nothing, the run's last outer
-  update (copied) lowers both alike, a Δ trained on other data lowers the random text as much as the
-  claimed.
+- **A score** compares the loss on a few sequences of the chunks the contributor's ticket named before and
+  after a step along its Δ, against what a *reference* Δ does to the same sequences: the scorer's own Δ of
+  the round, trained from the same θ_global on other chunks, scaled down to the contributor's size. Real
+  work on the claimed data lowers the loss there more than work on other data does; a zero Δ lowers
+  nothing, the run's last outer update (copied) and a Δ trained on other data lower it no more than the
+  reference. Comparing with a Δ rather than with random text cancels what makes one chunk easier to
+  improve than another, which is the same for every Δ. Without a reference (the scorer sent no Δ that
+  round) the claimed data must gain at least as much as random training text.
 - **A rating** smooths a peer's scores over rounds. A new peer starts provisional; a peer whose rating falls
   below the gate counts with weight 0 until it climbs back; one that keeps failing clearly is banned.
 """
@@ -50,37 +53,54 @@ def assign_scorers(
 
 @dataclass(frozen=True)
 class Losses:
-    """Mean losses a scorer measured at θ_global (`before`) and after a small step along Δ (`after`), on the
-    sequences of the chunks claimed and on random training sequences."""
+    """Mean losses a scorer measured at θ_global (`before`) and after a step along Δ (`after`) on the
+    sequences of the chunks claimed; on the claimed sequences after the step along the reference Δ (None: no
+    reference); and on random training sequences (None: not measured, as with a reference)."""
 
     claimed_before: float
     claimed_after: float
-    random_before: float
-    random_after: float
+    random_before: float | None = None
+    random_after: float | None = None
+    reference_after: float | None = None
 
 
 @dataclass(frozen=True)
 class Score:
     gain: float  # relative loss drop on the claimed data (> 0: Δ helps there)
-    data_gain: float  # the drop on the claimed data beyond the drop on random data
+    data_gain: (
+        float | None
+    )  # the drop on the claimed data beyond the drop on random data (None: not measured)
     passed: bool
+    reference_margin: float | None = None  # the drop on the claimed data beyond the reference Δ's drop there
 
 
 MIN_GAIN = 1e-4  # a relative loss drop smaller than this is no work
-MIN_DATA_GAIN = 0.0  # the claimed data must gain at least as much as random text, plus nothing
+MIN_DATA_GAIN = 0.0  # without a reference: the claimed data must gain at least as much as random text
+MIN_REFERENCE_MARGIN = 0.0  # the claimed data must gain more from Δ than from the reference
 
 
-def score(losses: Losses, min_gain: float = MIN_GAIN, min_data_gain: float = MIN_DATA_GAIN) -> Score:
-    """The verdict on one contribution from the four losses."""
-    values = (losses.claimed_before, losses.claimed_after, losses.random_before, losses.random_after)
-    if (
-        not all(v == v and abs(v) != float("inf") for v in values)
-        or min(losses.claimed_before, losses.random_before) <= 0
-    ):
-        return Score(0.0, 0.0, False)  # a loss that is not finite and positive proves nothing
-    gain = (losses.claimed_before - losses.claimed_after) / losses.claimed_before
-    random_gain = (losses.random_before - losses.random_after) / losses.random_before
-    data_gain = gain - random_gain
+def _finite(*values: float | None) -> bool:
+    return all(v is None or (v == v and abs(v) != float("inf")) for v in values)
+
+
+def score(
+    losses: Losses,
+    min_gain: float = MIN_GAIN,
+    min_data_gain: float = MIN_DATA_GAIN,
+    min_reference_margin: float = MIN_REFERENCE_MARGIN,
+) -> Score:
+    """The verdict on one contribution from the losses: work at all, and work on the data it claims (beyond
+    the reference's gain there when there is one, beyond random text's gain when there is none)."""
+    c0, c1, r0, r1 = losses.claimed_before, losses.claimed_after, losses.random_before, losses.random_after
+    if not _finite(c0, c1, r0, r1, losses.reference_after) or c0 <= 0 or (r0 is not None and r0 <= 0):
+        return Score(0.0, None, False)  # a loss that is not finite and positive proves nothing
+    gain = (c0 - c1) / c0
+    data_gain = None if r0 is None or r1 is None else gain - (r0 - r1) / r0
+    if losses.reference_after is not None:
+        margin = gain - (c0 - losses.reference_after) / c0
+        return Score(gain, data_gain, gain > min_gain and margin > min_reference_margin, margin)
+    if data_gain is None:
+        return Score(gain, None, False)  # nothing to compare the claimed data's gain with
     return Score(gain, data_gain, gain > min_gain and data_gain > min_data_gain)
 
 
@@ -139,6 +159,6 @@ def ratings(verdicts: list[Verdict], rule: RatingRule) -> dict[str, Rating]:
         by_step.setdefault((step, target), []).append(passed)
     out: dict[str, Rating] = {}
     for (_step, target), passes in sorted(by_step.items()):
-        verdict = Score(0.0, 0.0, sum(passes) * 2 > len(passes))
+        verdict = Score(0.0, None, sum(passes) * 2 > len(passes))
         out[target] = rated(out.get(target, new_rating(rule)), verdict, rule)
     return out

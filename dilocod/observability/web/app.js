@@ -213,7 +213,7 @@ function renderSample(sample) {
   $("sample").dataset.step = String(sample.outer_step);
 }
 
-function render(status, records, history, metrics, now, dataset) {
+function render(status, records, history, metrics, now, dataset, scoring) {
   const self = status && status.peer_id;
   // A peer's own record may not be in the DHT yet: show it from its status.
   if (status && status.role === "peer" && status.peer_id && !records.some((r) => r.peer_id === status.peer_id)) {
@@ -314,7 +314,7 @@ function render(status, records, history, metrics, now, dataset) {
   renderShare(history);
   renderBytes(history, metrics, now);
   renderTrust(peers, metrics, history);
-  renderPeerTable(records, self, now);
+  renderPeerTable(records, self, now, scoring);
   renderOwnRounds(status);
 }
 
@@ -383,7 +383,20 @@ function renderTrust(peers, metrics, history) {
       "peers' status records carry rejected_contributions / bans.";
 }
 
-function renderPeerTable(records, self, now) {
+// A peer's rating from the run's contribution scoring (api/run `scoring`): the value, "gated" below the gate,
+// and its latest verdicts in the cell's title.
+function ratingCell(scoring, peerId) {
+  const entry = scoring && scoring.peers ? scoring.peers[peerId] : null;
+  if (!entry) return `<td class="rating muted">${scoring ? "unscored" : "–"}</td>`;
+  const verdicts = (entry.last_scores || []).map((v) =>
+    `outer step ${v.outer_step}: ${v.passed ? "pass" : "FAIL"} by ${shortId(v.scorer)}`).join("\n");
+  const source = scoring.verified ? "verdicts this node checked" : "verdicts as the scorers published them";
+  const title = `rating from ${source}; below ${scoring.gate} a peer weighs 0\n${verdicts}`;
+  return `<td class="rating${entry.gated ? " bad" : ""}" title="${esc(title)}">${
+    isNum(entry.rating) ? entry.rating.toFixed(2) : "–"}${entry.gated ? " gated" : ""}</td>`;
+}
+
+function renderPeerTable(records, self, now, scoring) {
   const rows = records.map((r) => {
     const age = isNum(r.time) ? now - r.time : null;
     const classes = [r.peer_id === self ? "self" : "", age !== null && age > STALE_SECONDS ? "stale" : ""].join(" ");
@@ -400,10 +413,11 @@ function renderPeerTable(records, self, now) {
       <td>${isNum(r.last_round_seconds) ? r.last_round_seconds.toFixed(1) + "s" : "–"}</td>
       <td>${fmtInt(r.rounds_ok)} / <span class="${r.rounds_failed > 0 ? "bad" : ""}">${fmtInt(r.rounds_failed)}</span></td>
       <td>${fmtInt(r.rejected_contributions)} / ${fmtInt(r.bans)}</td>
+      ${r.role === "peer" ? ratingCell(scoring, r.peer_id) : "<td class=\"rating\">–</td>"}
       <td class="mono">${esc(String(r.global_sha256 || "").slice(0, 12))}</td><td>${fmtAge(age)}</td>
       <td>${esc(r.version || "")}</td></tr>`;
   });
-  $("peers").innerHTML = rows.join("") || `<tr><td colspan="17" class="muted">no live peer records yet</td></tr>`;
+  $("peers").innerHTML = rows.join("") || `<tr><td colspan="18" class="muted">no live peer records yet</td></tr>`;
   $("peers-sub").textContent = `${records.length} live record${records.length === 1 ? "" : "s"}`;
 }
 
@@ -442,7 +456,7 @@ async function refresh() {
       getJson("api/status"), getJson("api/run"), getHistory(), getText("metrics").catch(() => ""),
     ]);
     const now = Date.now() / 1000;
-    render(status, run.peers || [], history, parseMetrics(metricsText), now, run.dataset);
+    render(status, run.peers || [], history, parseMetrics(metricsText), now, run.dataset, run.scoring);
     renderSample(run.sample);
     polls++;
     conn.className = "conn ok";
