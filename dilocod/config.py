@@ -212,7 +212,7 @@ class ScoringConfig:
     claims (dilocod/trust/scoring.py, docs/trust.md)."""
 
     enabled: bool = False  # score contributions and give peers rated below the gate weight 0
-    sequences: int = 8  # sequences of the claimed chunks, and as many random ones, per score
+    sequences: int = 8  # claimed sequences per score (and as many random ones without a reference Δ)
     step: float = 1.0  # the step along Δ the loss is measured after (1: where the contributor's steps ended)
 
     def validate(self) -> None:

@@ -135,6 +135,7 @@ def test_http_routes_serve_the_dashboard_and_history() -> None:
         "peers": [json.loads(got["/api/run"][2])["peers"][0]],
         "dataset": None,
         "sample": None,  # no sampler given: a node without one says so
+        "scoring": None,  # a run that does not score contributions
     }
     assert json.loads(got["/api/run"][2])["peers"][0]["loss"] is None
     assert json.loads(got["/api/status"][2])["x"] is None
