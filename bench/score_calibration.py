@@ -23,7 +23,7 @@ import torch
 
 from dilocod.config import load_config
 from dilocod.data.cursor import part_windows
-from dilocod.processes.scoring import MIN_DATA_GAIN_MEASURED, MIN_REFERENCE_MARGIN_MEASURED
+from dilocod.processes.scoring import MIN_DATA_GAIN_MEASURED
 from dilocod.trainer.data import batch_at
 from dilocod.trainer.inner import InnerTrainer
 from dilocod.trust.measure import measure, pick, random_starts
@@ -108,7 +108,7 @@ def main() -> None:
         for name, delta in cases.items():
             ref = None if a.no_reference else reference
             s = score(measure(scorer, theta, delta, None, claimed, rand if ref is None else None, 1.0, ref),
-                      MIN_GAIN, MIN_DATA_GAIN_MEASURED, MIN_REFERENCE_MARGIN_MEASURED)  # fmt: skip
+                      MIN_GAIN, MIN_DATA_GAIN_MEASURED)  # fmt: skip
             passes.setdefault(name, []).append(s.passed)
             margin = s.reference_margin if s.reference_margin is not None else s.data_gain or 0.0
             margins.setdefault(name, []).append(margin)

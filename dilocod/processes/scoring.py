@@ -61,10 +61,9 @@ NICE = 10  # the scoring thread's OS priority below the trainer's
 # on 8 + 8 sequences an honest Δ measured −0.006 once in a 4-peer run (noise), and one failure gates a
 # provisional peer.
 MIN_DATA_GAIN_MEASURED = MIN_DATA_GAIN - 0.02
-# Against the reference no slack: bench/score_calibration.py (tiny, 24 rounds) measured honest margins of
-# +0.013 at the least (H = 5, a contributor with 2 of its scorer's 5 steps; ≥ +0.03 at H = 20), while a Δ
-# trained on other data passed 5–9 rounds of 24.
-MIN_REFERENCE_MARGIN_MEASURED = MIN_REFERENCE_MARGIN
+# Against the reference (MIN_REFERENCE_MARGIN) no slack: bench/score_calibration.py (tiny, 24 rounds)
+# measured honest margins of +0.013 at the least (H = 5, a contributor with 2 of its scorer's 5 steps;
+# ≥ +0.03 at H = 20), while a Δ trained on other data passed 5–9 rounds of 24.
 
 
 @dataclass
@@ -233,7 +232,7 @@ class ContributionScoring:
         losses = measure(self.model, start, fetched.delta, fetched.indices, claimed_batch, random_batch,
                          self.cfg.scoring.step, reference)  # fmt: skip
         min_data_gain = MIN_DATA_GAIN_MEASURED if claimed else -float("inf")
-        verdict: Score = score(losses, MIN_GAIN, min_data_gain, MIN_REFERENCE_MARGIN_MEASURED)
+        verdict: Score = score(losses, MIN_GAIN, min_data_gain, MIN_REFERENCE_MARGIN)
         reason = None if verdict.passed else (
             "its Δ does not lower the loss" if verdict.gain <= MIN_GAIN
             else "its Δ lowers the loss on random text as much as on the data it claims"

@@ -95,7 +95,8 @@ class DeltaStore:
         if kept is None:
             return None
         try:
-            return _unflatten(self.codec.decode(kept.payload, kept.numel), kept.numel, kept.indices, shapes)
+            wanted = _wanted(kept.numel, kept.indices, shapes)
+            return _unflatten(self.codec.decode(kept.payload, kept.numel), wanted), kept.indices
         except (ValueError, CodecError):
             return None
 
@@ -146,9 +147,8 @@ async def fetch_delta(ask: Ask, step: int, shapes: Sequence[torch.Size]) -> Fetc
         payloads.append(reply["payload"])
         received += len(reply["payload"])
     indices = first.get("indices")
-    _wanted(first["numel"], indices, shapes)  # before decoding: a lie about the size costs nothing
-    flat = make_codec(CODEC).decode(b"".join(payloads), first["numel"])
-    delta, _ = _unflatten(flat, first["numel"], indices, shapes)
+    wanted = _wanted(first["numel"], indices, shapes)  # before decoding: a lie about the size costs nothing
+    delta = _unflatten(make_codec(CODEC).decode(b"".join(payloads), first["numel"]), wanted)
     chunks = first.get("chunks") or []
     parts = [tuple(chunks[i : i + 4]) for i in range(0, len(chunks), 4)]
     return Fetched(step, delta, indices, first["tokens"], parts, received)  # type: ignore[arg-type]
@@ -167,13 +167,11 @@ def _wanted(numel: int, indices: list[int] | None, shapes: Sequence[torch.Size])
     return wanted
 
 
-def _unflatten(
-    flat: torch.Tensor, numel: int, indices: list[int] | None, shapes: Sequence[torch.Size]
-) -> tuple[list[torch.Tensor], list[int] | None]:
+def _unflatten(flat: torch.Tensor, wanted: list[torch.Size]) -> list[torch.Tensor]:
     """A flat decoded Δ cut into the shapes of the tensors it covers."""
     delta, at = [], 0
-    for shape in _wanted(numel, indices, shapes):
+    for shape in wanted:
         n = int(shape.numel())
         delta.append(flat[at : at + n].reshape(shape))
         at += n
-    return delta, indices
+    return delta

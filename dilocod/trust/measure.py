@@ -84,37 +84,37 @@ def measure(
     if len(params) != len(start):
         raise ValueError(f"θ_global has {len(start)} tensors, the model {len(params)}")
     targets = list(range(len(params))) if indices is None else list(indices)
-    for what in (delta, reference or delta):
+    for what in [delta] if reference is None else [delta, reference]:
         if len(targets) != len(what) or any(params[i].shape != d.shape for i, d in zip(targets, what)):
             raise ValueError("Δ does not have the model's shapes")
     was_training = model.training
     model.eval()
     try:
-        _step_from(params, start, targets, delta, 0.0)
+        _load(params, start)
         claimed_before = _loss(model, claimed)
         random_before = None if random is None else _loss(model, random)
-        _step_from(params, start, targets, delta, step)
+        _move(params, targets, delta, step)
         claimed_after = _loss(model, claimed)
         random_after = None if random is None else _loss(model, random)
         reference_after = None
         if reference is not None:
-            _step_from(params, start, targets, reference, reference_step(delta, reference, step))
+            _load(params, start)
+            _move(params, targets, reference, reference_step(delta, reference, step))
             reference_after = _loss(model, claimed)
     finally:
         model.train(was_training)
     return Losses(claimed_before, claimed_after, random_before, random_after, reference_after)
 
 
-def _step_from(
-    params: Sequence[nn.Parameter],
-    start: Sequence[torch.Tensor],
-    targets: Sequence[int],
-    delta: Sequence[torch.Tensor],
-    step: float,
-) -> None:
-    """The model's parameters ← θ_global − step·Δ."""
+def _load(params: Sequence[nn.Parameter], start: Sequence[torch.Tensor]) -> None:
+    """The model's parameters ← θ_global."""
     for p, s in zip(params, start):
         p.copy_(s)
-    if step:
-        for i, d in zip(targets, delta):
-            params[i].sub_(d.to(params[i].dtype) * step)
+
+
+def _move(
+    params: Sequence[nn.Parameter], targets: Sequence[int], delta: Sequence[torch.Tensor], step: float
+) -> None:
+    """The model's parameters −= step·Δ (over the tensors `targets`)."""
+    for i, d in zip(targets, delta):
+        params[i].sub_(d.to(params[i].dtype) * step)

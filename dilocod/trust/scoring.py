@@ -67,9 +67,8 @@ class Losses:
 @dataclass(frozen=True)
 class Score:
     gain: float  # relative loss drop on the claimed data (> 0: Δ helps there)
-    data_gain: (
-        float | None
-    )  # the drop on the claimed data beyond the drop on random data (None: not measured)
+    # the drop on the claimed data beyond the drop on random data (None: not measured)
+    data_gain: float | None
     passed: bool
     reference_margin: float | None = None  # the drop on the claimed data beyond the reference Δ's drop there
 
