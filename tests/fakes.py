@@ -11,13 +11,16 @@ class FakeTrainer:
     """What the round pipeline needs of a trainer: a working copy to read and write."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = [p.clone() for p in params]
+        self.working = [p.clone() for p in params]
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.working)
 
     def working_params_fp32(self) -> list[torch.Tensor]:
-        return [p.clone() for p in self.params]
+        return [p.clone() for p in self.working]
 
     def load_params(self, tensors: list[torch.Tensor]) -> None:
-        self.params = [t.clone() for t in tensors]
+        self.working = [t.clone() for t in tensors]
 
 
 def round_ticket(step: int, num_params: int, sha: str = "a" * 64) -> bytes:

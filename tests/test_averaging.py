@@ -12,6 +12,7 @@ from hivemind.averaging.allreduce import AveragingMode
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.membership import agree_weights
 from peers.node import Node, NodeOptions
+from peers.shmem import whole_pages
 from proto import encode_ticket
 
 SHAPES = [(300_000,), (17, 3)]  # > one 512 KiB part, so several reducers share the work
@@ -89,6 +90,16 @@ def assert_same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def assert_buffers_released(groups: list[GroupAverager]) -> None:
+    """Between rounds the averager's shared buffers hold no pages (peers/shmem.py): they read zeros."""
+    for group in groups:
+        with group.averager.get_tensors() as shared:
+            big = shared[0]  # the partial pages at its ends may keep bytes
+            start, length = whole_pages(big.untyped_storage().data_ptr(), big.untyped_storage().nbytes())
+            offset = (start - big.data_ptr()) // 4
+            assert length > 0 and not bool(big[offset : offset + length // 4].any())
+
+
 def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverager]) -> None:
     groups = trio
     inputs = random_inputs(0)
@@ -106,6 +117,7 @@ def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverag
     expected = [(a + b + c) / 3 for a, b, c in zip(*inputs, strict=True)]
     for got, want in zip(results[0], expected, strict=True):  # type: ignore[arg-type]
         torch.testing.assert_close(got, want)
+    assert_buffers_released(groups)  # the averages were cloned out, then the pages went back
 
     # Round 1: peer 2 holds another θ_global. It takes part but does not count, and is told so.
     inputs = random_inputs(1)
@@ -160,6 +172,7 @@ def test_no_group_returns_quickly_when_alone(trio: list[GroupAverager]) -> None:
     outcome = run_round(trio[:1], 99, [encode_ticket(ticket(99, SHA_A))], [random_inputs(3)[0]])[0]
     assert not outcome.found_group and outcome.averaged is None
     assert outcome.seconds < 15.0 + 10.0
+    assert_buffers_released(trio[:1])  # a failed round gives them back too
 
 
 def test_reducers_share_the_parts_in_proportion_to_their_bandwidth() -> None:

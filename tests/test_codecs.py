@@ -404,6 +404,13 @@ def test_error_feedback_bookkeeping() -> None:
     assert ef.norm() == pytest.approx(math.sqrt(6 + 4 * 0.25))
     again = ef.compensate(delta)
     assert torch.equal(again[1], torch.full((4,), 2.5)) and torch.equal(delta[1], torch.full((4,), 2.0))
+    # In place (the round's close: Δ is fresh): the same values, in Δ's own tensors.
+    mine = [d.clone() for d in delta]
+    in_place = ef.compensate(mine, in_place=True)
+    assert all(a is b for a, b in zip(in_place, mine, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(in_place, again, strict=True))
+    with pytest.raises(ValueError, match="CPU fp32"):
+        ef.compensate([d.double() for d in delta], in_place=True)
 
     saved = ef.state_dict()
     other = ErrorFeedback(shapes)

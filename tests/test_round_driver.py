@@ -44,7 +44,7 @@ class FakeTraining:
         taken = 0
         while taken == 0 or not should_stop():
             await asyncio.sleep(0.01)
-            self.trainer.params = [p - 0.01 for p in self.trainer.params]
+            self.trainer.working = [p - 0.01 for p in self.trainer.working]
             self.ledger.stepped(TOKENS_PER_STEP, 0.01)
             self.state.tokens_per_second = TOKENS_PER_STEP / 0.01
             taken += 1

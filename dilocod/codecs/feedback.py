@@ -47,9 +47,15 @@ class ErrorFeedback:
     def __init__(self, shapes: Sequence[torch.Size | Sequence[int]]) -> None:
         self.residual = [torch.zeros(tuple(shape), dtype=torch.float32) for shape in shapes]
 
-    def compensate(self, delta: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Δ + e: what to send this round. Fresh tensors; `delta` is not modified."""
+    def compensate(self, delta: Sequence[torch.Tensor], *, in_place: bool = False) -> list[torch.Tensor]:
+        """Δ + e: what to send this round. Fresh tensors, `delta` not modified; with `in_place`, e is added
+        into `delta`'s own tensors (CPU fp32 ones the caller owns) and those are returned: a model's worth
+        of memory less at a round's close."""
         self._check(delta, "delta")
+        if in_place:
+            if any(d.device.type != "cpu" or d.dtype != torch.float32 for d in delta):
+                raise ValueError("compensate in place needs CPU fp32 tensors")
+            return [d.add_(e) for d, e in zip(delta, self.residual)]
         return [
             torch.add(d.detach().to(device="cpu", dtype=torch.float32), e)
             for d, e in zip(delta, self.residual)

@@ -91,20 +91,26 @@ class RoundPipeline:
     def contribution(self) -> Contribution:
         """This round's pseudo-gradient at our outer step."""
         fragment, indices = self.fragment_at(self.outer.step)
-        local = self.trainer.working_params_fp32()
         progress = None
         if self.settings.overlap == "delayed":
+            local = self.trainer.working_params_fp32()  # kept: the next round is measured from it
             start = self._start if self._start is not None else self.outer.params
             raw = progress = [s - t for s, t in zip(start, local)]
             if self._kept is not None:  # a launched round that was not applied goes out again with this one
                 raw = progress = [p + k for p, k in zip(progress, self._kept)]
                 self._kept = None
             self._start = local
-        elif indices is not None:
-            raw = [torch.sub(self.outer.params[i], local[i]) for i in indices]
         else:
-            raw = self.outer.pseudo_gradient(local)
-        delta = raw if self.feedback is None else self._feedback(indices).compensate(raw)
+            # Read from the live parameters (we run on the trainer's thread, between steps): a copy of the
+            # working copy here would be one more model's worth of memory at every round's close.
+            live = self.trainer.params()
+            if indices is not None:
+                raw = [torch.sub(self.outer.params[i], _cpu_fp32(live[i])) for i in indices]
+            else:
+                raw = self.outer.pseudo_gradient(live)
+        # `raw` is ours alone except with delayed overlap (it is also `progress`): add the residual in place.
+        in_place = progress is None
+        delta = raw if self.feedback is None else self._feedback(indices).compensate(raw, in_place=in_place)
         if self.adversary.active:
             self.adversary.observe_global(self.outer.params)
         sent = self._corrupt(delta, indices) if self.adversary.active else delta
@@ -215,3 +221,8 @@ class RoundPipeline:
             feedback.update(sent, roundtrip(self.codec, sent))
         except CodecError:  # a non-finite contribution, screened out by every reducer: nothing to carry
             feedback.reset()
+
+
+def _cpu_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as CPU fp32 for arithmetic with θ_global: itself when it already is (no copy)."""
+    return tensor.detach().to(device="cpu", dtype=torch.float32)
