@@ -1,8 +1,9 @@
 """Configuration: frozen dataclasses, loaded from TOML with `--set section.key=value` overrides.
 
 Each component owns the dataclass of its own section (the trainer's next to the trainer, the outer
-optimizer's next to it); this module only assembles them, checks types strictly and reports the
-first problem as one line that names the key.
+optimizer's next to it); this module assembles and validates them, and `dilocod.configtoml` reads the
+file and the overrides and checks types strictly. The first problem is reported as one line that names
+the key.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import tomllib
-import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerConfig, ScreeningConfig
-from dilocod.codecs import CODEC_NAMES, Codec, make_codec
+from dilocod.codecs import CODEC_NAMES, FEEDBACK_CODECS, Codec, ErrorFeedback, make_codec
+from dilocod.configtoml import ConfigError, apply_override, build, read_toml
 from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
 from dilocod.statesync.checkpoint import CheckpointConfig
@@ -33,10 +36,6 @@ if TYPE_CHECKING:
     from peers.auth import RunAuth
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class ConfigError(ValueError):
-    """A bad config file, key or value; the message is one line naming it."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,9 @@ class RunConfig:
                 f"run.id must be 1-64 characters of letters, digits, '-' or '_', got '{self.id}'"
             )
         self.auth()  # an empty secret, an unreadable file or a malformed line fails here, as one line
+
+
+RESIDUAL_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class AveragingConfig:
     # 1.008, 0.53, 0.28; blockwise with a scale a block; int4 and int2 with error feedback). int4: within
     # 0.2 % of fp32 parts' loss with 1/7.5 of the bytes in the convergence study (docs/benchmarks.md)
     compression: str = "int4"
+    # float32 | bfloat16: how this node keeps its error-feedback residual (int4, int2). bfloat16 halves it (2
+    # bytes a parameter less) and drops at most 2^-8 of the residual a round (int4: ~1/240 of what the codec
+    # itself drops, and that is carried)
+    residual_dtype: str = "bfloat16"
     # Deadlines follow recent rounds: factor × the longest of the last 8 successful ones, between a floor
     # and the timeouts above (the ceilings). See peers/deadlines.py.
     adaptive_deadlines: bool = True
@@ -114,6 +120,12 @@ class AveragingConfig:
     def wire_codec(self) -> Codec | None:
         """The codec parts travel with; None for `none` (exact fp32 messages, as before codecs existed)."""
         return None if self.compression == "none" else make_codec(self.compression)
+
+    def error_feedback(self, shapes: Sequence[torch.Size | Sequence[int]]) -> ErrorFeedback | None:
+        """A zero residual for the codecs that carry one (int4, int2), kept in `residual_dtype`."""
+        if self.compression not in FEEDBACK_CODECS:
+            return None
+        return ErrorFeedback(shapes, dtype=getattr(torch, self.residual_dtype))
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -150,6 +162,10 @@ class AveragingConfig:
         if self.compression not in CODEC_NAMES:
             raise ValueError(
                 f"averaging.compression must be one of {', '.join(CODEC_NAMES)}, got '{self.compression}'"
+            )
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"averaging.residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got '{self.residual_dtype}'"
             )
         self.reducer_config().validate()
         self.screening_config().validate()
@@ -276,123 +292,21 @@ def read_raw(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> d
     """The keys `path` and the overrides set, as read (not yet type-checked): what the user chose."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_toml(Path(path))
+        raw = read_toml(Path(path))
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(raw, item)
     return raw
 
 
 def config_from_raw(raw: dict[str, Any], *, validate: bool = True) -> Config:
     """Type-check `raw` (defaults for what it leaves out) and, unless told not to, validate the whole."""
-    config: Config = _build(Config, raw, prefix="")
+    config: Config = build(Config, raw, prefix="")
     if validate:
         try:
             config.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return config
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"bad --set '{item}': expected section.key=value")
-    section, name = parts
-    value: Any
-    try:  # a TOML literal (number, bool, quoted string, array); otherwise the bare text is a string
-        value = _Bare(text.strip(), tomllib.loads(f"v = {text.strip()}")["v"])
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
-    target = raw.setdefault(section, {})
-    if not isinstance(target, dict):
-        raise ConfigError(f"bad --set '{item}': '{section}' is not a section")
-    target[name] = value
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config section '{prefix.rstrip('.') or 'root'}' must be a table")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(f"unknown config key '{prefix}{key}'")
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            values[f.name] = _build(typing.cast(type, hint), raw[f.name], f"{f.name}.")
-        else:
-            values[f.name] = _coerce(raw[f.name], hint, f"{prefix}{f.name}")
-    return cls(**values)
-
-
-@dataclass(frozen=True)
-class _Bare:
-    """A `--set` value as typed and as TOML reads it: `--set adversary.mode=nan` is the string "nan"
-    for a string key but NaN for a float key, `--set run.id=2024` the string "2024" for run.id."""
-
-    text: str
-    parsed: Any
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Accept `value` for a field of type `hint`, strictly (a bool is not a number, 1.5 is not an int)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _coerce_union(value, typing.get_args(hint), key)
-    if isinstance(value, _Bare):
-        value = value.text if hint is str and not isinstance(value.parsed, str) else value.parsed
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if hint is str and isinstance(value, str):
-        return value
-    if origin is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    expected = _EXPECTED.get(hint, "a list of strings" if origin is tuple else str(hint))
-    raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
-
-
-def _coerce_union(value: Any, options: tuple[Any, ...], key: str) -> Any:
-    """The first option that accepts `value`, in declaration order (`int | str`: `--set x=2` is 2, `x=auto`
-    is "auto"); with str the last resort, a bare `--set` word is text rather than what TOML makes of it."""
-    parsed = value.parsed if isinstance(value, _Bare) else value
-    if parsed is None and type(None) in options:
-        return None
-    kinds = [option for option in options if option is not type(None)]
-    for option in kinds:
-        if option is str and isinstance(value, _Bare):
-            return value.text if not isinstance(value.parsed, str) else value.parsed
-        try:
-            return _coerce(value, option, key)
-        except ConfigError:
-            continue
-    if len(kinds) == 1:
-        return _coerce(value, kinds[0], key)  # raises the single type's own message
-    expected = " or ".join(_EXPECTED.get(option, str(option)) for option in kinds)
-    raise ConfigError(f"config key '{key}' must be {expected}, got {parsed!r}")
-
-
-_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def describe(config: Config) -> dict[str, dict[str, Any]]:

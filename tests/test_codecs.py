@@ -435,6 +435,28 @@ def test_error_feedback_rejects_mismatches() -> None:
         ef.load_state_dict({})
 
 
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_settle_is_update_with_the_roundtrip_and_bf16_loses_at_most_2_to_the_minus_8(name: str) -> None:
+    codec = make_codec(name)
+    sent = [sample(3, 4096, "normal", 0).view(64, 64), sample(4, 300, "heavy", 0)]
+    exact, half = (
+        ErrorFeedback([t.shape for t in sent]),
+        ErrorFeedback([t.shape for t in sent], torch.bfloat16),
+    )
+    reference = ErrorFeedback([t.shape for t in sent])
+    reference.update(sent, roundtrip(codec, sent))
+    exact.settle(codec, sent)
+    half.settle(codec, sent)
+    assert all(torch.equal(a, b) for a, b in zip(exact.residual, reference.residual, strict=True))
+    assert all(e.dtype == torch.bfloat16 for e in half.residual)
+    for kept, full in zip(half.residual, exact.residual, strict=True):  # round to nearest, 8 bits
+        assert bool((kept.float() - full).abs().le(full.abs() * 2**-8).all())
+    # A checkpoint written either way resumes into either dtype.
+    half.load_state_dict(exact.state_dict())
+    exact.load_state_dict(half.state_dict())
+    assert all(torch.equal(a.float(), b) for a, b in zip(half.residual, exact.residual, strict=True))
+
+
 def test_roundtrip_keeps_shapes_and_encodes_per_tensor() -> None:
     codec = make_codec("int2")
     tensors = [sample(1, 6, "normal", 0).view(2, 3), sample(2, 70, "normal", 10)]

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from dilocod.config import (
     DEFAULT_RUN_ID,
@@ -402,3 +403,14 @@ def test_compression_names_and_their_wire_codec() -> None:
         assert codec is not None and codec.name == name
     message = config_error(overrides=["averaging.compression=int3"])
     assert message == "averaging.compression must be one of none, fp16, int8, int4, int2, got 'int3'"
+
+
+def test_the_error_feedback_residual_follows_the_codec_and_residual_dtype() -> None:
+    shapes = [(3, 2)]
+    residual = Config().averaging.error_feedback(shapes)
+    assert residual is not None and residual.residual[0].dtype == torch.bfloat16  # int4 by default
+    exact = load_config(None, ["averaging.residual_dtype=float32"]).averaging.error_feedback(shapes)
+    assert exact is not None and exact.residual[0].dtype == torch.float32
+    assert load_config(None, ["averaging.compression=int8"]).averaging.error_feedback(shapes) is None
+    message = config_error(overrides=["averaging.residual_dtype=float16"])
+    assert message == "averaging.residual_dtype must be one of bfloat16, float32, got 'float16'"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.rounds.pipeline import Contribution, PipelineSettings, RoundPipeline
@@ -28,9 +27,7 @@ class Replica:
             cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key, corpus=corpus
         )
         self.outer = OuterOptimizer(self.trainer.working_params_fp32(), cfg.outer)
-        feedback = None
-        if cfg.averaging.compression in FEEDBACK_CODECS:
-            feedback = ErrorFeedback([p.shape for p in self.outer.params])
+        feedback = cfg.averaging.error_feedback([p.shape for p in self.outer.params])
         # Public peers, no adversary: `keep_previous` is only for private peers without overlap.
         settings = PipelineSettings(cfg.outer.overlap, cfg.outer.fragments, cfg.outer.mix_alpha)
         adversary = Adversary(cfg.adversary, cfg.run.seed)

@@ -10,8 +10,11 @@ so nothing the codec drops is lost, only delayed. With the blockwise codecs the 
 bounded: each element's error is at most ρ·(block absmax of Δ + e), ρ = (1 + 2^-7)(1 + 2^-15)/3 for int2
 (/15 for int4, /254 for int8), hence by induction ‖e‖∞ ≤ ρ/(1 − ρ)·sup_t ‖Δ_t‖∞ per block — about
 0.51·max|Δ| for int2, 0.072 for int4. The residual is local state (never sent), so it does not need
-to be bit-identical across peers; it is fp32 on the CPU like θ_global, and each update is one plain
-add or subtract (no fused `alpha=` forms), to match the rest of dilocod.
+to be bit-identical across peers. It lives on the CPU, in fp32 or, by default, in bf16
+(`averaging.residual_dtype`): e is then rounded to 8 significant bits when stored, so a round loses at
+most 2^-8 of e (for int4 ≤ 2.8e-4 of the block's max |Δ|, ~1/240 of what the codec itself drops), for 2
+bytes a parameter less. The arithmetic is fp32 either way, each update one plain add or subtract (no
+fused `alpha=` forms), to match the rest of dilocod.
 
 `update` must be given the same split the wire used: `roundtrip` encodes each tensor on its own
 (flattened), so its blocks never straddle two parameters. The all-reduce encodes butterfly parts of
@@ -42,10 +45,12 @@ def roundtrip(codec: Codec, tensors: Sequence[torch.Tensor]) -> list[torch.Tenso
 
 
 class ErrorFeedback:
-    """The residual of each parameter tensor (fp32, CPU), in the caller's parameter order."""
+    """The residual of each parameter tensor (CPU, `dtype`), in the caller's parameter order."""
 
-    def __init__(self, shapes: Sequence[torch.Size | Sequence[int]]) -> None:
-        self.residual = [torch.zeros(tuple(shape), dtype=torch.float32) for shape in shapes]
+    def __init__(
+        self, shapes: Sequence[torch.Size | Sequence[int]], dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.residual = [torch.zeros(tuple(shape), dtype=dtype) for shape in shapes]
 
     def compensate(self, delta: Sequence[torch.Tensor], *, in_place: bool = False) -> list[torch.Tensor]:
         """Δ + e: what to send this round. Fresh tensors, `delta` not modified; with `in_place`, e is added
@@ -71,6 +76,16 @@ class ErrorFeedback:
                 torch.sub(s.to(device="cpu", dtype=torch.float32), t.to(device="cpu", dtype=torch.float32))
             )
 
+    @torch.no_grad()
+    def settle(self, codec: Codec, sent: Sequence[torch.Tensor]) -> None:
+        """`update(sent, roundtrip(codec, sent))`, one tensor at a time: the codec's output for the whole
+        model is never held at once (one model's worth less at a round's end)."""
+        self._check(sent, "sent")
+        for e, s in zip(self.residual, sent):
+            flat = s.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+            transmitted = codec.decode(codec.encode(flat), flat.numel())
+            e.copy_(torch.sub(flat, transmitted).view(e.shape))
+
     def reset(self) -> None:
         """Forget the residual (e.g. after adopting θ_global from another peer)."""
         for e in self.residual:
@@ -90,7 +105,7 @@ class ErrorFeedback:
             raise ValueError("error-feedback state must hold a list of tensors under 'residual'")
         self._check(tensors, "residual")
         for e, t in zip(self.residual, tensors):
-            e.copy_(t.to(torch.float32))
+            e.copy_(t)  # into this node's dtype, whichever the checkpoint was written with
 
     def _check(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         if len(tensors) != len(self.residual):

@@ -4,7 +4,7 @@ machine's own). `tests/test_manifest_keys.py` fails when a key is added to the c
 Run-wide: what changes the model, the dataset (by its content hash) every peer's shard is cut from, what a
 round is and how its contributions are combined and carried; peers that differ in one of them cannot
 average together, or would train something else. Local: where this machine listens and keeps its data (and a copy of the run's starting weights) (and
-how the node starting the run prepares it), what it computes on, how it spends its own memory and time (gradient accumulation keeps the run's tokens per step), how long it waits for its own
+how the node starting the run prepares it), what it computes on, how it spends its own memory (the error-feedback residual's precision) and time (gradient accumulation keeps the run's tokens per step), how long it waits for its own
 downloads, how often it writes a checkpoint, its own trust policy, the run key (a secret: the manifest only says whether one is required),
 and the adversary modes of the test benches.
 """
@@ -39,7 +39,7 @@ LOCAL: dict[str, tuple[str, ...]] = {
         "peak_flops", "micro_batch_size", "sample_every",
     ),
     "outer": ("rebase_on_resync",),
-    "averaging": ("state_timeout", "ban_seconds"),
+    "averaging": ("state_timeout", "ban_seconds", "residual_dtype"),
     "net": ("host", "port", "announce", "reachability", "status_interval", "bandwidth"),
     "checkpoint": ("every",),
     "adversary": ("mode", "alie_z", "stale_rounds"),

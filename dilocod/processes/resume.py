@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dilocod.codecs import FEEDBACK_CODECS, ErrorFeedback
+from dilocod.codecs import ErrorFeedback
 from dilocod.config import Config
 from dilocod.data.cursor import ChunkCursor
 from dilocod.data.local import open_corpus
@@ -135,9 +135,9 @@ def _make_feedback(
     cfg: Config, outer: OuterOptimizer, checkpoint: dict[str, Any] | None
 ) -> ErrorFeedback | None:
     """Error feedback for the coarse codecs; the residual resumes from the checkpoint when it fits."""
-    if cfg.averaging.compression not in FEEDBACK_CODECS:
+    feedback = cfg.averaging.error_feedback([p.shape for p in outer.params])
+    if feedback is None:
         return None
-    feedback = ErrorFeedback([p.shape for p in outer.params])
     saved = (checkpoint or {}).get("error_feedback")
     if saved is not None:
         try:

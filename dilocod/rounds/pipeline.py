@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dilocod.codecs import CodecError, ErrorFeedback, roundtrip
+from dilocod.codecs import CodecError, ErrorFeedback
 from dilocod.codecs.base import Codec
 from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import fragment_of, mix, split_fragments
@@ -218,7 +218,7 @@ class RoundPipeline:
             feedback.reset()
             return
         try:
-            feedback.update(sent, roundtrip(self.codec, sent))
+            feedback.settle(self.codec, sent)
         except CodecError:  # a non-finite contribution, screened out by every reducer: nothing to carry
             feedback.reset()
 
