@@ -244,7 +244,12 @@ def _join(args: argparse.Namespace) -> int:
     from dilocod.manifest.obtain import joined_line, manifest_for_peer
     from dilocod.manifest.record import ManifestError
     from dilocod.processes.peer import PeerArgs, PeerDaemon
-    from dilocod.processes.runtime import install_stop_signals, run_main, setup_logging
+    from dilocod.processes.runtime import (
+        install_stop_signals,
+        leave_cores_to_training,
+        run_main,
+        setup_logging,
+    )
     from dilocod.trainer import LocalGroupError
     from peers.node import parse_multiaddr
 
@@ -257,6 +262,7 @@ def _join(args: argparse.Namespace) -> int:
     setup_logging(None, verbose=args.verbose)
 
     async def _main() -> int:
+        leave_cores_to_training()  # before any tensor work in this thread
         # The run's settings come from its manifest (dilocod/manifest/): fetched from the peers given, or,
         # with none, this peer starts the run with its own config.
         joined, run_dir = await manifest_for_peer(local_raw, args.run_dir, tuple(args.peers), local.net.host)

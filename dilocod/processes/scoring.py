@@ -31,6 +31,7 @@ from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import read_run
 from dilocod.observability.scoreview import SCORES_KEY, published_verdicts, score_view
+from dilocod.processes.runtime import one_core_here
 from dilocod.trainer.data import batch_at
 from dilocod.trust.deltas import MAX_REQUEST, PROTOCOL, DeltaStore, fetch_delta
 from dilocod.trust.measure import Batch, measure, pick, random_starts
@@ -80,9 +81,11 @@ class Target:
 
 
 def _lower_priority() -> None:
-    """Initializer of the scoring thread: the OS schedules it after the trainer (Linux: per thread)."""
+    """Initializer of the scoring thread: the OS schedules it after the trainer (Linux: per thread), and its
+    forward passes run on one core, leaving torch's OpenMP team to the trainer (`one_core_here`)."""
     with contextlib.suppress(Exception):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    one_core_here()
 
 
 class ContributionScoring:

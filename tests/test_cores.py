@@ -1,0 +1,64 @@
+"""Torch's OpenMP threads are the trainer's: side threads run their torch work on one core
+(`dilocod.processes.runtime.leave_cores_to_training`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A trainer thread runs 2000 parallel ops after the main thread ran one parallel op of its own. Without
+# the fix the main thread's OpenMP team stays alive, the process holds more OpenMP threads than cores,
+# and libgomp parks the trainer's idle team thread on a futex after every op: thousands of voluntary
+# context switches (and ~7 % of a 2-core machine's training speed, docs/benchmarks.md).
+PROBE = """
+import asyncio, resource, sys, threading
+import torch
+from dilocod.processes.runtime import leave_cores_to_training
+
+async def side() -> int:
+    leave_cores_to_training()
+    return await asyncio.get_running_loop().run_in_executor(None, torch.get_num_threads)
+
+side_threads = asyncio.run(side()) if sys.argv[1] == "fix" else None
+(torch.randn(2_000_000) * 2).sum()  # the main thread's own parallel work (hashing, copies)
+seen = {}
+
+def train() -> None:
+    a = torch.randn(1_000_000)
+    for _ in range(200):  # the trainer's team exists and is warm
+        a.mul_(1.0001)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    for _ in range(2000):
+        a.mul_(1.0001)
+    seen["switches"] = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
+    seen["threads"] = torch.get_num_threads()
+
+trainer = threading.Thread(target=train)
+trainer.start()
+trainer.join()
+print(seen["switches"], seen["threads"], torch.get_num_threads(), side_threads)
+"""
+
+
+def probe(mode: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_side_threads_leave_the_openmp_team_to_the_trainer() -> None:
+    switches, trainer_threads, main_threads, side_threads = probe("fix")
+    assert main_threads == "1" and side_threads == "1"  # the event loop's thread and its default executor
+    if int(trainer_threads) < 2:
+        pytest.skip("torch runs one thread here: there is no team to keep")
+    assert int(switches) < 100, f"{switches} voluntary context switches in 2000 parallel ops"
+    # Without it, the same work parks the trainer's team thread after nearly every op.
+    switches_without, _, _, _ = probe("none")
+    assert int(switches_without) > 1000, switches_without
