@@ -180,11 +180,18 @@ def phases(proc: Proc) -> dict[str, Any]:
 
 
 def joiner_download(proc: Proc) -> dict[str, Any] | None:
-    """The joiner's state download: its `resynced` round's seconds and bytes."""
-    for r in proc.status()["rounds"]:
-        if r["result"] == "resynced":
-            return {"download_s": r["seconds"], "download_mb": round(r["bytes_received"] / 1e6, 1)}
-    return None
+    """The joiner's state download, from its `/api/status` `state_fetch` (the download in parts): its
+    seconds, bytes, parts and donors; None before it downloaded."""
+    fetch = proc.status().get("state_fetch")
+    if not fetch or fetch.get("active", True):
+        return None
+    return {
+        "download_s": fetch.get("seconds"),
+        "download_mb": round(fetch.get("bytes_total", 0) / 1e6, 1),
+        "parts": fetch.get("parts_total"),
+        "donors": len(fetch.get("parts_from") or {}),
+        "error": fetch.get("error"),
+    }
 
 
 def memory_table(sampler: Sampler, params: int) -> list[dict[str, Any]]:
