@@ -102,8 +102,11 @@ class RoundPipeline:
             self._start = local
         else:
             # Read from the live parameters (we run on the trainer's thread, between steps): a copy of the
-            # working copy here would be one more model's worth of memory at every round's close.
-            live = self.trainer.params()
+            # working copy here would be one more model's worth of memory at every round's close. On a
+            # device, the host copy is what we read anyway (queued DMA into pinned memory, one wait).
+            live: list[torch.Tensor] = list(self.trainer.params())
+            if live and live[0].device.type != "cpu":
+                live = self.trainer.working_params_fp32()
             if indices is not None:
                 raw = [torch.sub(self.outer.params[i], _cpu_fp32(live[i])) for i in indices]
             else:
