@@ -248,22 +248,22 @@ class GroupAverager:
             control.cancel()
             return _failed(loop.time() - started, "timed out", found_group=True)
         except MatchmakingException as e:
-            self._release_buffers()
-            return _failed(loop.time() - started, str(e), found_group="could not find a group" not in str(e))
+            outcome = _failed(
+                loop.time() - started, str(e), found_group="could not find a group" not in str(e)
+            )
         except Exception as e:
-            self._release_buffers()
             message = str(e) or type(e).__name__
-            return _failed(
+            outcome = _failed(
                 loop.time() - started, message, found_group="could not find a group" not in message
             )
-        return self._outcome(result, loop.time() - started)
-
-    def _release_buffers(self) -> None:
-        """The averager's step is over (it set the result): until the next round writes them, the shared
-        buffers hold nothing anyone reads, so their pages go back (peers/shmem.py). Not after a round we
-        cancelled at its deadline: its all-reduce may still be sending parts from them."""
+        else:
+            outcome = self._outcome(result, loop.time() - started)  # clones the average out first
+        # The averager's step is over (it set the result): until the next round writes them, the shared
+        # buffers hold nothing anyone reads, so their pages go back (peers/shmem.py). Not after a round we
+        # cancelled at its deadline (above): its all-reduce may still be sending parts from them.
         with self.averager.get_tensors() as shared:
             release(shared)
+        return outcome
 
     def _learn(self, outcome: RoundOutcome) -> None:
         """What a round says about the deadlines: a completed one is measured; an all-reduce cut by its
@@ -303,7 +303,6 @@ class GroupAverager:
             with self.averager.get_tensors() as shared:
                 chosen = shared if self._subset is None else [shared[i] for i in self._subset]
                 averaged = [buffer.clone() for buffer in chosen]
-        self._release_buffers()
         return RoundOutcome(
             found_group=True,
             group_size=len(result["peers"]),

@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 
 @cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def libc_function(name: str) -> Any | None:
+    """The C library's function `name` (ctypes), or None where there is none (musl has no malloc_trim)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc (musl has none): nothing to trim
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
         return None
 
 
 def trim() -> bool:
     """Return the free pages of this process's malloc heaps to the system; False where there is no
     glibc (nothing to do). Safe from any thread: glibc locks each arena while it trims."""
-    fn = _malloc_trim()
+    fn = libc_function("malloc_trim")
     return fn is not None and bool(fn(0))

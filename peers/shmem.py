@@ -15,27 +15,23 @@ being sent from a released buffer would carry zeros.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
 
+from peers.heap import libc_function
+
 MADV_REMOVE = 9  # linux/mman.h: free the range's backing store (shmem/tmpfs mappings)
 
 
 @cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    fn = libc_function("madvise")
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
 
 

@@ -82,9 +82,8 @@ class ErrorFeedback:
         model is never held at once (one model's worth less at a round's end)."""
         self._check(sent, "sent")
         for e, s in zip(self.residual, sent):
-            flat = s.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-            transmitted = codec.decode(codec.encode(flat), flat.numel())
-            e.copy_(torch.sub(flat, transmitted).view(e.shape))
+            (transmitted,) = roundtrip(codec, [s])
+            e.copy_(torch.sub(s.to(device="cpu", dtype=torch.float32), transmitted))
 
     def reset(self) -> None:
         """Forget the residual (e.g. after adopting θ_global from another peer)."""
