@@ -236,11 +236,13 @@ class GroupAverager:
             lambda: averager.step(gather=ticket, timeout=matchmaking, allow_retries=True, wait=False),
         )
         self._control = control
-        outcome = await self._await_round(control, matchmaking + allreduce + 5.0, started)
+        outcome = await self._await_round(control, matchmaking + allreduce + 5.0, started, chosen)
         self._learn(outcome)
         return outcome
 
-    async def _await_round(self, control: StepControl, budget: float, started: float) -> RoundOutcome:
+    async def _await_round(
+        self, control: StepControl, budget: float, started: float, chosen: list[int] | None
+    ) -> RoundOutcome:
         loop = asyncio.get_running_loop()
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
@@ -260,9 +262,10 @@ class GroupAverager:
             outcome = self._outcome(result, loop.time() - started)  # clones the average out first
         # The averager's step is over (it set the result): until the next round writes them, the shared
         # buffers hold nothing anyone reads, so their pages go back (peers/shmem.py). Not after a round we
-        # cancelled at its deadline (above): its all-reduce may still be sending parts from them.
+        # cancelled at its deadline (above): its all-reduce may still be sending parts from them. Only this
+        # round's own buffers (`chosen`): with streaming, the next fragment's round may have written its own.
         with self.averager.get_tensors() as shared:
-            release(shared)
+            release(shared if chosen is None else [shared[i] for i in chosen])
         return outcome
 
     def _learn(self, outcome: RoundOutcome) -> None:
