@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from dilocod.statesync.ledger import (
     LIE,
     SPLIT,
@@ -200,6 +202,35 @@ def test_a_donor_with_overlap_serves_its_completed_round_in_flight_until_the_clo
     assert sync._check_content(tensors[:4], {**decoded, "pending_tensors": None}) is None
     sync.share()  # the close applied it: a new θ_global, nothing pending
     assert decode_state_meta(sync.current()[0])["pending_tensors"] == 0
+
+
+def test_the_outer_step_frees_the_old_state_once_the_snapshot_is_withdrawn() -> None:
+    """The snapshot holds θ_global and the momentum themselves (no copy); withdrawn for the outer step, the
+    old tensors are freed as the step replaces them instead of living through it (8 bytes a parameter)."""
+    import gc
+    import weakref
+
+    import torch
+
+    sync = server()
+    averaged = [torch.full_like(p, 0.1) for p in sync.outer.params]
+
+    def survivors(withdraw: bool) -> int:
+        sync.share()
+        old = [weakref.ref(t) for t in sync.outer.state_tensors()]
+        if withdraw:
+            sync.withdraw()
+            with pytest.raises(RuntimeError, match="no state"):
+                sync.current()  # a downloader meanwhile asks another donor
+        sync.outer.apply(averaged)
+        gc.collect()
+        alive = sum(ref() is not None for ref in old)
+        sync.share()
+        assert sync.current()[1][0] is sync.outer.params[0]  # offered again: the new state
+        return alive
+
+    assert survivors(withdraw=False) == 4  # all of θ_global and the momentum, until the next share
+    assert survivors(withdraw=True) == 0
 
 
 def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_once() -> None:

@@ -67,6 +67,37 @@ def test_rounds_within_the_cadence_write_nothing_and_a_stop_always_writes(tmp_pa
     assert saved is not None and saved["n"] == 2
 
 
+def _resident_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_rounds_freed_heap_goes_back_before_the_payload_clones(tmp_path: Path) -> None:
+    """A round frees Δ, its average and the old θ_global into malloc's free lists; the checkpoint's clones
+    must not come on top of those pages (they were each round's peak at the 124m preset)."""
+    torch.empty(16 << 20, dtype=torch.uint8).fill_(1)  # freed mmap: glibc now serves < 16 MiB from the heap
+    freed = [torch.ones(1 << 20) for _ in range(100)]  # 4 MiB each: a round's buffers, 400 MiB
+    pin = torch.ones(1 << 18)  # 1 MiB allocated above them: the heap cannot shrink from its top
+    before = _resident_mb()
+    del freed
+    seen: list[float] = []
+
+    def payload() -> dict[str, Any]:
+        seen.append(_resident_mb())
+        return {"n": 1}
+
+    async def one() -> None:
+        writer = _writer(tmp_path, 0.0, payload)
+        await writer.checkpoint()
+        await writer.flush()
+
+    asyncio.run(one())
+    assert pin.sum() == 1 << 18
+    assert seen and seen[0] < before - 300, (before, seen)
+
+
 def test_the_guard_holds_back_changes_to_live_tensors_until_the_file_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

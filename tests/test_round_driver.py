@@ -81,6 +81,15 @@ class FakeAveraging:
 class FakeSync:
     def __init__(self, outer: OuterOptimizer, results: deque[int]) -> None:
         self.outer, self.results, self.shared = outer, results, 0
+        self.offering = False  # a snapshot of our state is offered (between `share` and `withdraw`)
+        self.stepped_offering: list[bool] = []  # at each outer step: was the old state still offered?
+        apply = outer.apply
+
+        def watched_apply(*args: Any, **kwargs: Any) -> None:
+            self.stepped_offering.append(self.offering)
+            apply(*args, **kwargs)
+
+        outer.apply = watched_apply  # type: ignore[method-assign]
         self.state: PeerState | None = None  # to read our record while the download runs
         self.announced: list[dict[str, Any]] = []
         self.pending: list[torch.Tensor] | None = None  # a donor's round in flight, sent with its state
@@ -104,6 +113,10 @@ class FakeSync:
 
     def share(self) -> None:
         self.shared += 1
+        self.offering = True
+
+    def withdraw(self) -> None:
+        self.offering = False
 
     def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
         self.offered.append((step, averaged))
@@ -220,6 +233,8 @@ def test_rounds_apply_the_group_average_and_count_our_tokens() -> None:
     assert first.tokens >= 500 and first.tokens_counted == 150.0  # the weight the group gave us
     assert rig.state.tokens_contributed >= 300 and rig.state.contributing
     assert rig.publisher.checkpoints >= 2 and rig.publisher.published >= 2 and rig.sync.shared >= 2
+    # each outer step ran with our snapshot withdrawn (its old tensors freed as replaced), offered again after
+    assert rig.sync.stepped_offering[:2] == [False, False] and rig.sync.offering
     assert rig.state.round_opened > 0 and rig.state.round_closes_in() is not None
     # every applied step was evaluated into its own round's record (eval_every = 1 here)
     assert [e.eval_loss for e in rig.state.history if e.result == "ok"][:2] == [1.0, 1.0]

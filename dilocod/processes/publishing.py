@@ -53,10 +53,17 @@ class CheckpointWriter:
             return
         await self.flush()
         self._last = time.monotonic()
-        payload = await self._in_trainer(self._payload)
+        payload = await self._in_trainer(self._trimmed_payload)
         loop = asyncio.get_running_loop()
         self._reading = loop.create_future()
         self._writing = asyncio.create_task(self._write(payload, self._last, self._reading))
+
+    def _trimmed_payload(self) -> dict[str, Any]:
+        # The round just settled freed its Δ, its average and the old θ_global and momentum into malloc's
+        # free lists (peers/heap.py): give those pages back before the payload clones the working copy and
+        # the moments, or the clones come on top of them (the checkpoint was each round's peak).
+        heap.trim()
+        return self._payload()
 
     async def _write(self, payload: dict[str, Any], started: float, reading: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()

@@ -103,26 +103,29 @@ class Effects:
     async def apply(self, alone: bool) -> None:
         contribution, outcome = self.context.contribution, self.context.outcome
         assert contribution is not None, "an outer step needs the round's contribution"
-        if alone:
-            await self.training.run(lambda: self.pipeline.apply_alone(contribution))
-            self.context.counted = self.tokens.applied(None)
-        else:
-            assert outcome is not None and outcome.averaged is not None
-            averaged = outcome.averaged
-            scored = (
-                self.scoring is not None and contribution.indices is None and not contribution_empty(outcome)
-            )
-            start = (
-                await self.training.run(lambda: [p.clone() for p in self.outer.params]) if scored else None
-            )
-            await self.training.run(lambda: self.pipeline.apply(contribution, averaged))
-            self.context.counted = self.tokens.applied(outcome.my_weight)
-            if (
-                start is not None and self.scoring is not None
-            ):  # the group's Δ are scored from where it started
-                self.scoring.applied(contribution.step, start, outcome.members, self.outer.sha256)
-        self.state.alone = alone
-        self.new_global()
+        # While the step replaces θ_global and the momentum, our snapshot must not hold the old tensors.
+        self.sync.withdraw()
+        try:
+            if alone:
+                await self.training.run(lambda: self.pipeline.apply_alone(contribution))
+                self.context.counted = self.tokens.applied(None)
+            else:
+                await self._apply_average(contribution, outcome)
+        finally:
+            self.state.alone = alone
+            self.new_global()
+
+    async def _apply_average(self, contribution: Contribution, outcome: RoundOutcome | None) -> None:
+        assert outcome is not None and outcome.averaged is not None
+        averaged = outcome.averaged
+        scored = self.scoring is not None and contribution.indices is None and not contribution_empty(outcome)
+        # θ_global before the step, for scoring the group's Δ: the tensors themselves, as the outer step
+        # replaces them and never writes them (`OuterOptimizer.apply`); the scorer only reads them.
+        start = list(self.outer.params) if scored else None
+        await self.training.run(lambda: self.pipeline.apply(contribution, averaged))
+        self.context.counted = self.tokens.applied(outcome.my_weight)
+        if start is not None and self.scoring is not None:
+            self.scoring.applied(contribution.step, start, outcome.members, self.outer.sha256)
 
     async def evaluate(self) -> None:
         """The eval loss of the new θ_global, into the state and the round's record, and a completion of the

@@ -63,6 +63,10 @@ class StateSyncing(Protocol):
         """Offer our (new) θ_global and momentum to peers that re-sync."""
         ...
 
+    def withdraw(self) -> None:
+        """Stop offering our state until the next `share` (while the outer step replaces it)."""
+        ...
+
     def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
         """Overlap: offer with it the average of the round we launched at `step`, once it completed."""
         ...

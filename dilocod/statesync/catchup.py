@@ -100,6 +100,13 @@ class StateSync:
         self.snapshot = (self._meta(tensors, 0), tensors)
         self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
 
+    def withdraw(self) -> None:
+        """Stop offering our state, until the next `share`: the outer step replaces θ_global and the
+        momentum tensor by tensor, and each old one is freed at once if the snapshot no longer holds it
+        (8 bytes a parameter at the close). A download in progress keeps its snapshot (the state server
+        holds what a joiner asked for); a new one meanwhile asks another donor, or us a moment later."""
+        self.snapshot = None
+
     def share_pending(self, step: int, averaged: list[torch.Tensor]) -> None:
         """Overlap: the round we launched at `step` completed; serve its average with our state, so that a
         joiner can apply it at the next close with us instead of missing the group it needed."""
