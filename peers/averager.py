@@ -384,10 +384,13 @@ class RunAverager(StateDonors):
             async for _ in runner:
                 raise AllreduceException("an auxiliary reducer received averaged tensors")
             return runner
-        results = [averaged async for averaged in runner]
-        if runner.failed_size == 0:  # only a complete result replaces our inputs
-            async for tensor, averaged in azip(as_aiter(*tensors), as_aiter(*results)):
-                tensor.copy_(averaged)
+        # Each tensor's average replaces our input as soon as all its parts are in, not once the whole
+        # model's averages were collected (a copy of the model in this process at every round's peak).
+        # Safe for the parts still on the wire: a tensor is complete only after every reducer answered
+        # each of its parts, so we had sent them all. An incomplete round leaves some tensors averaged
+        # and the rest ours; the daemon reads the buffers only after a complete one (`RoundOutcome`).
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
         await runner.replies_counted(REPLIES_COUNTED_SECONDS)  # the round's bytes include our last replies
         return runner
 
