@@ -1,15 +1,20 @@
 """A real swarm at size: per-phase time per round and each process's memory as bytes per parameter.
 
-    .venv/bin/python bench/size.py [--preset 124m] [--peers 2] [--rounds 3] [--joiner] [--set k=v ...] [--json]
+    .venv/bin/python bench/size.py [--preset 124m] [--peers 2] [--rounds 3] [--joiner] [--restart]
+                                   [--set k=v ...] [--json]
 
 A bootstrap and `--peers` peers of `--preset` through the CLI on loopback (the test harness's processes,
 configs/tiny.toml with the preset swapped in, AdamW, batch 1 × 64 tokens, H = 3, int4, auto deadlines, a
 checkpoint every round), until every peer is at outer step `--rounds`; with `--joiner` one more peer then
-joins and downloads the run's state. Reported:
+joins and downloads the run's state; with `--restart` the first peer's process group is then SIGKILLed
+(a machine that dies) and the peer started again on its run directory. Reported:
 
 - per round (medians over the peers' rounds after the first): the inner steps' time, matchmaking, the
   all-reduce and its goodput (the larger of the bytes sent and received ÷ its seconds), the rest (the outer
   step, eval, the checkpoint's pause), the checkpoint write (in the background), and a joiner's download;
+- a restart: the outer step its checkpoint resumed it at, and the seconds from its start until it is
+  at the run's next outer step;
+- θ_global: every outer step at which the peers' reported hashes differ (none expected);
 - memory, sampled every 2 s: each process of each peer's tree (the daemon, hivemind's DHT and averager
   forks, p2pd, torch's shm manager) as proportional set size (PSS) per parameter, at the end and at its
   peak, the tree's floor once every peer had averaged a round (what it holds between rounds; the end
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -43,7 +49,7 @@ from procstats import memory_by_kind, pss_kb, tree  # noqa: E402
 
 from dilocod.trainer import ModelConfig, count_params  # noqa: E402
 from dilocod.trainer.model import Transformer  # noqa: E402
-from tests.harness import Proc, Swarm  # noqa: E402
+from tests.harness import Proc, Swarm, round_hashes  # noqa: E402
 
 T = TypeVar("T")
 
@@ -93,6 +99,7 @@ class Sampler:
         # The least a peer held once training had begun (set `steady` then): its state between rounds,
         # where `last` is wherever in a round the final sample fell.
         self.steady = False
+        self.floor_of = {proc.name for proc in procs}  # not a peer that joins later: it starts from nothing
         self.floor_total: dict[str, float] = {}
         self.kinds: dict[str, dict[str, dict[str, float]]] = {}
         self._stop = threading.Event()
@@ -126,7 +133,7 @@ class Sampler:
                 peak[role] = max(peak.get(role, 0.0), mb)
             total = sum(parts.values())
             self.peak_total[name] = max(self.peak_total.get(name, 0.0), total)
-            if self.steady:
+            if self.steady and name in self.floor_of:
                 self.floor_total[name] = min(self.floor_total.get(name, total), total)
 
     def read_kinds(self) -> None:
@@ -194,6 +201,31 @@ def joiner_download(proc: Proc) -> dict[str, Any] | None:
     }
 
 
+def restart(s: Swarm, proc: Proc, timeout: float) -> dict[str, Any]:
+    """SIGKILL `proc`'s process group, start it again on its run directory, and wait until it is at the
+    run's next outer step: the step its checkpoint resumed it at and how long it took to be back."""
+    proc.reap()
+    killed_at = max(p.status()["outer_step"] for p in s.peers if p is not proc)
+    started = time.monotonic()
+    proc.start()
+    s.wait_serving(proc, timeout=timeout)
+    s.wait_all_at(killed_at + 1, timeout=timeout, peers=[proc])
+    found = re.findall(r"resumed from checkpoint at outer step (\d+)", proc.output())
+    return {
+        "killed_at_run_step": killed_at,
+        "resumed_at_step": int(found[-1]) if found else None,
+        "back_s": round(time.monotonic() - started, 1),
+        "outer_step": proc.status()["outer_step"],
+    }
+
+
+def theta_splits(procs: list[Proc]) -> list[int]:
+    """The outer steps at which the peers report different θ_global hashes (a split run)."""
+    return sorted(
+        step for step, hashes in round_hashes([p.status() for p in procs]).items() if len(hashes) > 1
+    )
+
+
 def memory_table(sampler: Sampler, params: int) -> list[dict[str, Any]]:
     rows = []
     for name, parts in sampler.last.items():
@@ -222,6 +254,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--joiner", action="store_true", help="one more peer joins at the end and downloads the state"
+    )
+    p.add_argument(
+        "--restart", action="store_true", help="then SIGKILL the first peer and start it again on its run dir"
     )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -255,6 +290,14 @@ def main() -> int:
                 result["joiner"] = joiner_download(joiner)
                 sampler.read()
             result["memory"] = memory_table(sampler, params)
+            if args.restart:
+                sampler.steady = False  # a process starting again is no peer's floor
+                again = s.peers[0]
+                result["restart"] = restart(s, again, args.timeout)
+                sampler.read()
+                now = sum(sampler.last.get(again.name, {}).values())
+                result["restart"]["total_bytes_per_param"] = round(now * 2**20 / params, 1)
+            result["theta_splits"] = theta_splits(s.peers)
         except Exception:
             print(s.log_tails(), file=sys.stderr)
             raise
@@ -274,6 +317,10 @@ def report(result: dict[str, Any]) -> None:
         print(f"  {name}: {ph}")
     if result.get("joiner"):
         print(f"  joiner: {result['joiner']}")
+    if result.get("restart"):
+        print(f"  restart: {result['restart']}")
+    if "theta_splits" in result:
+        print(f"  outer steps with differing θ_global hashes: {result['theta_splits'] or 'none'}")
     print("memory, bytes per parameter (PSS) now [peak] (total's floor after the first round):")
     for row in result.get("memory", []):
         parts = "  ".join(
