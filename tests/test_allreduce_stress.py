@@ -26,7 +26,7 @@ import torch
 
 from peers import allreduce, group
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
-from peers.node import Node, NodeOptions
+from tests.averagers import started_averagers
 from tests.fakes import round_ticket
 
 pytestmark = pytest.mark.integration
@@ -73,27 +73,11 @@ def quartet() -> Iterator[list[GroupAverager]]:
     # Set before the averager processes fork: they inherit both classes.
     patch.setattr(group, "RunAverager", SmallPartAverager)
     patch.setattr("peers.averager.ExactAllReduceRunner", JitteryRunner)
-    nodes: list[Node] = []
-    groups: list[GroupAverager] = []
+    options = AveragingOptions(target_group_size=MEMBERS, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
     try:
-        for _ in range(MEMBERS):
-            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id="stresstest", initial_peers=initial, host="127.0.0.1"))
-            node.start()
-            nodes.append(node)
-        options = AveragingOptions(
-            target_group_size=MEMBERS, min_matchmaking_time=2.0, matchmaking_timeout=15.0
-        )
-        for node in nodes:
-            averager = GroupAverager(node, [torch.zeros(NUM)], options, state_provider=None)
-            averager.start()
-            groups.append(averager)
-        yield groups
+        with started_averagers("stresstest", [torch.zeros(NUM)], [options] * MEMBERS) as groups:
+            yield groups
     finally:
-        for averager in groups:
-            averager.stop()
-        for node in nodes:
-            node.stop()
         patch.undo()
 
 

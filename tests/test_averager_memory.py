@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
-from peers.node import Node, NodeOptions
 from proto import encode_ticket
+from tests.averagers import started_averagers
 
 SHAPES = [(1 << 20,)] * 32  # 32 tensors of 4 MiB: 128 MiB of fp32, like a model's many layers
 NUM = sum(torch.Size(s).numel() for s in SHAPES)
@@ -41,28 +41,12 @@ def ticket() -> bytes:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[list[GroupAverager]]:
-    nodes: list[Node] = []
-    groups: list[GroupAverager] = []
-    try:
-        for _ in range(2):
-            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id="avgmemory", initial_peers=initial, host="127.0.0.1"))
-            node.start()
-            nodes.append(node)
-        options = AveragingOptions(target_group_size=2, min_matchmaking_time=2.0, matchmaking_timeout=20.0)
-        # The first member only sends and receives (as behind NAT): what it holds is its own buffers and
-        # the averages, not another member's parts to reduce.
-        for node, mode in zip(nodes, ("client", "node")):
-            opts = dataclasses.replace(options, mode=mode)
-            group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], opts, state_provider=None)
-            group.start()
-            groups.append(group)
+    options = AveragingOptions(target_group_size=2, min_matchmaking_time=2.0, matchmaking_timeout=20.0)
+    # The first member only sends and receives (as behind NAT): what it holds is its own buffers and the
+    # averages, not another member's parts to reduce.
+    members = [dataclasses.replace(options, mode="client"), options]
+    with started_averagers("avgmemory", [torch.zeros(s) for s in SHAPES], members) as groups:
         yield groups
-    finally:
-        for group in groups:
-            group.stop()
-        for node in nodes:
-            node.stop()
 
 
 def peak_mb(pid: int) -> float:

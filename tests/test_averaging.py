@@ -11,9 +11,9 @@ from hivemind.averaging.allreduce import AveragingMode
 
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.membership import agree_weights
-from peers.node import Node, NodeOptions
 from peers.shmem import whole_pages
 from proto import encode_ticket
+from tests.averagers import started_averagers
 
 SHAPES = [(300_000,), (17, 3)]  # > one 512 KiB part, so several reducers share the work
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -49,25 +49,9 @@ def test_agree_weights_majority_ties_and_invalid() -> None:
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[GroupAverager]]:
-    nodes: list[Node] = []
-    groups: list[GroupAverager] = []
-    try:
-        for _i in range(3):
-            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id="avgtest", initial_peers=initial, host="127.0.0.1"))
-            node.start()
-            nodes.append(node)
-        options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
-        for node in nodes:
-            group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], options, state_provider=None)
-            group.start()
-            groups.append(group)
+    options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+    with started_averagers("avgtest", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
         yield groups
-    finally:
-        for group in groups:
-            group.stop()
-        for node in nodes:
-            node.stop()
 
 
 def run_round(groups: list[GroupAverager], step: int, tickets: list[bytes], inputs: list[list[torch.Tensor]]):

@@ -24,7 +24,7 @@ from dilocod.processes.helper import parameter_shapes
 from dilocod.trainer.model import ModelConfig
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.grouping import round_group_bits
-from peers.node import Node, NodeOptions
+from tests.averagers import started_averagers
 from tests.fakes import round_ticket
 from tests.harness import Swarm, round_hashes, round_results, wait_for
 from tests.test_swarm import _ok_counts
@@ -113,25 +113,9 @@ FRAGMENT_ELEMENTS = 290_000
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[GroupAverager]]:
-    nodes: list[Node] = []
-    groups: list[GroupAverager] = []
-    try:
-        for _ in range(3):
-            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id="streamtest", initial_peers=initial, host="127.0.0.1"))
-            node.start()
-            nodes.append(node)
-        options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
-        for node in nodes:
-            group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], options, state_provider=None)
-            group.start()
-            groups.append(group)
+    options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+    with started_averagers("streamtest", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
         yield groups
-    finally:
-        for group in groups:
-            group.stop()
-        for node in nodes:
-            node.stop()
 
 
 def _ticket(step: int) -> bytes:
