@@ -8,8 +8,8 @@ host. What it adds:
   weights from the same gathered tickets: the (capped) tokens behind the contribution of members whose
   (step, θ hash) is the group majority, 0 for everyone else (they still take part, and learn that they
   must re-sync);
-- results are exact (see `allreduce.py`) and land in the shared tensors only when complete, so a
-  failed round leaves the inputs intact;
+- results are exact (see `allreduce.py`) and land in the shared tensors a tensor at a time, each once
+  all its parts are in; the daemon reads them only after a complete round;
 - state downloads are for the run's peers only (`statedonors.py`); who counts in a group is decided
   from the gathered data in `membership.py`.
 """

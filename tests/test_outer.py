@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from dilocod.diloco import outer as outer_module
 from dilocod.diloco.outer import (
     REBASE_MAX_GAP,
     OuterConfig,
@@ -363,3 +364,37 @@ def test_progress_is_kept_only_for_a_near_re_sync_and_only_when_enabled() -> Non
     assert not keeps_progress(on, 7, 8 + REBASE_MAX_GAP)  # e.g. restarted from an old checkpoint
     assert not keeps_progress(on, 7, 6)
     assert not keeps_progress(off, 7, 8)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_step_gives_the_bits_of_the_textbook_ops_in_their_order(nesterov: bool) -> None:
+    """m' = μ·m + Δ, then θ' = θ − lr·(Δ + μ·m') (or θ − lr·m'), each op unfused: members on any machine,
+    and members of another release computing it this way, hold the same bits."""
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    theta = random_tensors(1, SHAPES)
+    opt = OuterOptimizer(theta, cfg)
+    params, momentum = [t.clone() for t in theta], [torch.zeros_like(t) for t in theta]
+    for seed in (2, 3, 4):
+        deltas = random_tensors(seed, SHAPES)
+        opt.apply(deltas)
+        for i, delta in enumerate(deltas):
+            buf = torch.add(torch.mul(momentum[i], 0.9), delta)
+            direction = torch.add(delta, torch.mul(buf, 0.9)) if nesterov else buf
+            params[i] = torch.sub(params[i], torch.mul(direction, 0.7))
+            momentum[i] = buf
+    assert all(torch.equal(a, b) for a, b in zip(opt.params, params))
+    assert all(torch.equal(a, b) for a, b in zip(opt.momentum, momentum))
+
+
+def test_the_step_releases_freed_memory_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`release` runs after every RELEASE_BYTES of replaced θ and momentum and once at the end, so the
+    caller can give the old tensors' pages back before the new state has all been made beside them."""
+    monkeypatch.setattr(outer_module, "RELEASE_BYTES", 8 * 20)  # θ and momentum of 20 elements
+    shapes = [(10,)] * 7  # 80 bytes replaced a tensor: a release after every second one, and at the end
+    opt = OuterOptimizer(random_tensors(1, shapes), OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    replaced: list[int] = []
+    opt.apply(random_tensors(2, shapes), release=lambda: replaced.append(opt.step))
+    assert replaced == [0, 0, 0, 0]  # after tensors 2, 4, 6 and the last one, all within the step
+    plain = OuterOptimizer(random_tensors(1, shapes), OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    plain.apply(random_tensors(2, shapes))
+    assert plain.sha256 == opt.sha256  # releasing changes nothing computed

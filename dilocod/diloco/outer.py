@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# Bytes of θ_global and momentum an outer step replaces between two calls of its `release`.
+RELEASE_BYTES = 256 << 20
 
 OVERLAP_MODES = ("none", "delayed", "streaming")
 # Progress made against a θ_global a few outer steps old is still worth sending (a `delayed` round's is
@@ -127,7 +130,12 @@ class OuterOptimizer:
                 raise ValueError(f"shape mismatch: {tuple(tensor.shape)} vs {tuple(param.shape)}")
 
     @torch.no_grad()
-    def apply(self, averaged_delta: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+    def apply(
+        self,
+        averaged_delta: Sequence[torch.Tensor],
+        indices: Sequence[int] | None = None,
+        release: Callable[[], object] | None = None,
+    ) -> None:
         """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov.
 
         With `indices` (a Streaming DiLoCo fragment), `averaged_delta` holds those tensors only, and only
@@ -136,18 +144,38 @@ class OuterOptimizer:
         Each updated tensor is a new one that replaces the old in `params` and `momentum`, never an
         in-place write: whoever holds the old ones (the snapshot served to re-syncing peers, a checkpoint
         being written) keeps a consistent state without a copy of its own, and frees it when done.
+        `release()`, if given, is called after every RELEASE_BYTES of replaced tensors: the caller gives
+        the freed ones' pages back (`peers/heap.py`), or the new state grows beside the old in the heap.
         """
         chosen = list(range(len(self.params))) if indices is None else list(indices)
         self._check_shapes(averaged_delta, [self.params[i] for i in chosen])
-        mu, lr = self.cfg.momentum, self.cfg.lr
+        replaced = 0
         for i, delta in zip(chosen, averaged_delta):
-            delta = delta.to(torch.float32)
-            buf = torch.add(torch.mul(self.momentum[i], mu), delta)
-            direction = torch.add(delta, torch.mul(buf, mu)) if self.cfg.nesterov else buf
-            self.params[i] = _like(torch.sub(self.params[i], torch.mul(direction, lr)), self.params[i])
-            self.momentum[i] = buf
+            self._step_tensor(i, delta.to(torch.float32))
+            replaced += 8 * delta.numel()
+            if release is not None and replaced >= RELEASE_BYTES:
+                release()
+                replaced = 0
+        if release is not None and replaced:
+            release()
         self.step += 1
         self.sha256 = global_sha256(self.params)
+
+    def _step_tensor(self, i: int, delta: torch.Tensor) -> None:
+        """One tensor's outer step, in three new tensors (two kept), each op the same IEEE operation in
+        the same order as m' = μ·m + Δ, d = Δ + μ·m', θ' = θ − lr·d: every member gets the same bits
+        whatever its machine, and no op here is fused."""
+        mu, lr = self.cfg.momentum, self.cfg.lr
+        buf = torch.mul(self.momentum[i], mu)
+        buf.add_(delta)
+        if self.cfg.nesterov:
+            direction = torch.mul(buf, mu)
+            direction.add_(delta)  # Δ + μ·m' (addition commutes exactly)
+            direction.mul_(lr)
+        else:
+            direction = torch.mul(buf, lr)
+        self.params[i] = _like(torch.sub(self.params[i], direction), self.params[i])
+        self.momentum[i] = buf
 
     def state_tensors(self) -> list[torch.Tensor]:
         """θ_global then the momentum buffers: what a peer downloads to re-sync."""

@@ -53,6 +53,7 @@ from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from dilocod.trust.judge import Judge
+from peers import heap
 from peers.datashare import DataServer
 from peers.linkbudget import MBIT
 from peers.statedownload import PartsDownload
@@ -232,7 +233,7 @@ class PeerDaemon:
         overlap = cfg.outer.overlap
         pipeline = RoundPipeline(
             PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, network.client and overlap == "none"),
-            trainer, outer, resumed.feedback, self.adversary, cfg.averaging.wire_codec(),
+            trainer, outer, resumed.feedback, self.adversary, cfg.averaging.wire_codec(), release=heap.trim,
         )  # fmt: skip
         view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
         self.sync = StateSync(

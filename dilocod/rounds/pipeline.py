@@ -25,6 +25,7 @@ Every method runs in the trainer thread (the driver sees to it); none does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,12 @@ class RoundPipeline:
         feedback: ErrorFeedback | None,
         adversary: Adversary,
         codec: Codec | None,
+        release: Callable[[], object] | None = None,
     ) -> None:
         self.settings, self.trainer, self.outer = settings, trainer, outer
         self.feedback, self.adversary, self.codec = feedback, adversary, codec
+        # Gives freed memory back to the system during the outer step (the daemon's: `peers/heap.py`).
+        self.release = release
         streaming = settings.overlap == "streaming"
         sizes = [p.numel() for p in outer.params]
         self.fragments = split_fragments(sizes, settings.fragments) if streaming else None
@@ -147,14 +151,14 @@ class RoundPipeline:
     def apply(self, contribution: Contribution, averaged: list[torch.Tensor]) -> None:
         """Take the outer step with the group's average (the same bytes on every member)."""
         self._keep_previous()
-        self.outer.apply(averaged, contribution.indices)
+        self.outer.apply(averaged, contribution.indices, self.release)
         self._merge_working_copy(contribution)
         self._settle_feedback(contribution, contribution.delta)
 
     def apply_alone(self, contribution: Contribution) -> None:
         """No other trainer is alive: our own Δ is the round's average; nothing is owed any more."""
         self._keep_previous()
-        self.outer.apply(contribution.delta, contribution.indices)
+        self.outer.apply(contribution.delta, contribution.indices, self.release)
         self._merge_working_copy(contribution)
         self._settle_feedback(contribution, None)
 
