@@ -19,8 +19,9 @@ from dilocod.aggregation import ReducerConfig, ScreeningConfig
 from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.codecs import Codec, ErrorFeedback, make_codec, roundtrip
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
-from peers.node import Node, NodeOptions
+from peers.node import Node
 from peers.wirecodec import PartCodec
+from tests.averagers import started_averagers
 from tests.fakes import round_ticket
 
 pytestmark = pytest.mark.integration
@@ -57,32 +58,6 @@ class Saboteur:
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         return self.inner.decode(data, numel)
-
-
-def start_trio(run_id: str, options: list[AveragingOptions]) -> tuple[list[Node], list[GroupAverager]]:
-    nodes: list[Node] = []
-    groups: list[GroupAverager] = []
-    try:
-        for _ in options:
-            initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id=run_id, initial_peers=initial, host="127.0.0.1"))
-            node.start()
-            nodes.append(node)
-        for node, opts in zip(nodes, options, strict=True):
-            group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], opts, state_provider=None)
-            group.start()
-            groups.append(group)
-    except BaseException:
-        stop_trio(nodes, groups)
-        raise
-    return nodes, groups
-
-
-def stop_trio(nodes: list[Node], groups: list[GroupAverager]) -> None:
-    for group in groups:
-        group.stop()
-    for node in nodes:
-        node.stop()
 
 
 def run_round(groups: list[GroupAverager], step: int, inputs: list[list[torch.Tensor]]) -> list[RoundOutcome]:
@@ -151,9 +126,8 @@ def int8_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
         AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0, codec=c)
         for c in codecs
     ]
-    nodes, groups = start_trio("avgtest-int8", options)
-    yield nodes, groups
-    stop_trio(nodes, groups)
+    with started_averagers("avgtest-int8", [torch.zeros(s) for s in SHAPES], options) as groups:
+        yield [g.node for g in groups], groups
 
 
 @pytest.fixture(scope="class")
@@ -166,9 +140,8 @@ def int2_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
         check_part=make_part_check(ScreeningConfig()),
         codec=make_codec("int2"),
     )
-    nodes, groups = start_trio("avgtest-int2", [options] * 3)
-    yield nodes, groups
-    stop_trio(nodes, groups)
+    with started_averagers("avgtest-int2", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
+        yield [g.node for g in groups], groups
 
 
 class TestInt8:
