@@ -49,18 +49,12 @@ def pair() -> Iterator[list[GroupAverager]]:
         yield groups
 
 
-def peak_mb(pid: int) -> float:
+def status_mb(pid: int, field: str) -> float:
+    """A memory figure of /proc/<pid>/status (VmRSS: resident now, VmHWM: the peak), in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
-def resident_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def test_a_round_costs_a_senders_averager_process_one_model(pair: list[GroupAverager]) -> None:
@@ -68,7 +62,7 @@ def test_a_round_costs_a_senders_averager_process_one_model(pair: list[GroupAver
     inputs = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in pair]
     pids = [group.averager.pid for group in pair]
     assert all(pid is not None for pid in pids)
-    before = [resident_mb(pid) for pid in pids]  # type: ignore[arg-type]
+    before = [status_mb(pid, "VmRSS") for pid in pids]  # type: ignore[arg-type]
     for pid in pids:
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts again from what it holds now
 
@@ -79,7 +73,7 @@ def test_a_round_costs_a_senders_averager_process_one_model(pair: list[GroupAver
     assert all(o.averaged is not None for o in outcomes), [o.error for o in outcomes]
     expected = [(a + b) / 2 for a, b in zip(*inputs)]
     assert all(torch.allclose(x, y) for x, y in zip(outcomes[0].averaged or [], expected))
-    grown = [peak_mb(pid) - mb for pid, mb in zip(pids, before)]  # type: ignore[arg-type]
+    grown = [status_mb(pid, "VmHWM") - mb for pid, mb in zip(pids, before)]  # type: ignore[arg-type]
     # The sender's averager: the shared buffers it reads and writes (one model, resident in it too) and
     # a part or a tensor in flight. Collecting the whole model's averages before writing them took one more.
     assert grown[0] < 1.5 * MODEL_MB, (grown, MODEL_MB)

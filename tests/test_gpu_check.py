@@ -14,7 +14,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the script runs the CUDA checks")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="on a GPU machine the script runs the CUDA checks instead; CI has no GPU, so CI runs this test",
+)
 def test_without_a_gpu_the_check_says_so_and_exits_0(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(
