@@ -38,6 +38,7 @@ from .data import (
 from .lm import LanguageModel, build_lm, model_name
 from .model import ModelConfig, count_params
 from .optim import InnerOptimizer, make_inner_optimizer, with_saved_moments
+from .precision import low_precision_dtype
 from .settings import TrainerConfig, checkpointing_enabled, cpu_threads, lr_at, resolve_devices
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ class InnerTrainer:
             # tiny's 16 x 128 (bench/adamw_fused.py).
             fused=self.device.type in ("cpu", "cuda"),
             muon_matrix=self.model.muon_matrix,
+            ns_dtype=low_precision_dtype(self.device),
         )
 
     def _compiled(self, module: nn.Module) -> nn.Module:

@@ -2,7 +2,8 @@
 
 - `adamw`: AdamW on every parameter (weight decay on matrices only: decaying RMSNorm gains just fights
   the normalisation).
-- `muon`: `torch.optim.Muon` for the 2-D weight matrices of the transformer blocks (attention and MLP
+- `muon`: Muon (`muon.py`: torch's, with its orthogonalisation in bf16 only where the machine multiplies bf16
+  fast, `precision.py`) for the 2-D weight matrices of the transformer blocks (attention and MLP
   projections), AdamW as above for the rest — the embedding, the norms and the output head, for which
   orthogonalised updates are not meant. Muon as the inner optimizer is reported to tolerate coarse
   (2-bit) outer compression better than AdamW (MuLoCo, 2025). Muon runs with
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .muon import Muon
+
 OPTIMIZERS = ("adamw", "muon")
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -31,7 +34,7 @@ class MuonWithAdamW:
     `state_dict()` is `{"muon": ..., "adamw": ...}`, each part in its torch format.
     """
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
+    def __init__(self, muon: Muon, adamw: torch.optim.AdamW) -> None:
         self.parts: dict[str, torch.optim.Optimizer] = {"muon": muon, "adamw": adamw}
 
     @property
@@ -73,9 +76,11 @@ def make_inner_optimizer(
     muon_lr_ratio: float = 1.0,
     fused: bool = False,
     muon_matrix: Callable[[str, torch.Tensor], bool] = uses_muon,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> InnerOptimizer:
     """The optimizer `trainer.optimizer` names, over `named_params` (in the trainer's order); `muon_matrix`
-    picks the parameters Muon takes (the model's hidden matrices)."""
+    picks the parameters Muon takes (the model's hidden matrices), `ns_dtype` the dtype of Muon's
+    orthogonalisation."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"trainer.optimizer must be one of {', '.join(OPTIMIZERS)}, got '{kind}'")
     muon = [p for name, p in named_params if kind == "muon" and muon_matrix(name, p)]
@@ -88,8 +93,9 @@ def make_inner_optimizer(
     adamw = torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, eps=1e-8, fused=fused)
     if kind == "adamw":
         return adamw
-    muon_optimizer = torch.optim.Muon(
+    muon_optimizer = Muon(
         [{"params": muon, "lr_scale": muon_lr_ratio}],
+        ns_dtype=ns_dtype,
         lr=lr * muon_lr_ratio,
         weight_decay=weight_decay,
         adjust_lr_fn="match_rms_adamw",
