@@ -341,6 +341,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     assert bad.stderr == "dilocod: error: d.jsonl:1: expected a JSON object, got list\n"
     bad = run_cli(tmp_path, "tokenizer", "missing", "--vocab-size", "300", "--out", "t.json")
     assert (bad.returncode, bad.stderr) == (2, "dilocod: error: missing: no such file or directory\n")
+    (tmp_path / "empty").mkdir()  # nothing to learn merges from: no tokenizer of the bare bytes is written
+    bad = run_cli(tmp_path, "tokenizer", "empty", "--vocab-size", "300", "--out", "t.json")
+    assert (bad.returncode, bad.stderr) == (
+        2,
+        "dilocod: error: no text found in empty to train a tokenizer on (only empty or binary files, or none)\n",
+    )
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_documents_given_by_a_function(tmp_path: Path) -> None:

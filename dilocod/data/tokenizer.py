@@ -152,11 +152,19 @@ def train_bpe(sources: Sequence[Path], vocab_size: int, out: Path, *, text_field
         show_progress=False,
     )
 
+    seen = [0]  # characters of text read
+
     def texts() -> Iterator[str]:
         for doc in iter_documents(sources, text_field=text_field):
+            seen[0] += len(doc.text.strip())
             yield doc.text
 
     tok.train_from_iterator(texts(), trainer=trainer)
+    if not seen[0]:  # a tokenizer of the bare bytes would train nothing and fit no data
+        names = ", ".join(str(s) for s in sources)
+        raise DataError(
+            f"no text found in {names} to train a tokenizer on (only empty or binary files, or none)"
+        )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
