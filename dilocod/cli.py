@@ -210,6 +210,9 @@ def entry() -> NoReturn:
     """The `dilocod` command (and `python -m dilocod`): `main`, then exit without tearing the interpreter
     down. By then the daemon has stopped its children and written its checkpoint; the teardown of torch,
     hivemind and their objects only made every stop about 2 s slower (3 peers on 2 cores measured it)."""
+    from dilocod.processes.runtime import calm_openmp_waits
+
+    calm_openmp_waits()  # before anything imports torch
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

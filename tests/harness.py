@@ -27,13 +27,14 @@ REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 # A tiny, fast configuration: H=5 inner steps of 8×64 tokens, short deadlines, frequent status records.
+# No trainer.threads: as on a user's machine, every peer takes its share of the cores by itself
+# (dilocod/processes/coreshare.py).
 FAST = (
     "trainer.inner_steps=5",
     "trainer.batch_size=8",
     "trainer.seq_len=64",
     "trainer.warmup_steps=5",
     "trainer.eval_batches=2",
-    "trainer.threads=1",
     "averaging.min_matchmaking_time=1.5",
     "averaging.request_timeout=1",
     "averaging.matchmaking_timeout=8",

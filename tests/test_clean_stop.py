@@ -204,7 +204,7 @@ def test_peers_and_bootstrap_stop_without_a_traceback(swarm: Callable[..., Swarm
 def test_demo_stops_on_sigterm_without_a_traceback(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
     out = tmp_path / "demo.out"
-    sets = [item for o in FAST if not o.startswith("trainer.threads") for item in ("--set", o)]
+    sets = [item for o in FAST for item in ("--set", o)]
     with out.open("wb") as sink:
         demo = subprocess.Popen(
             [sys.executable, "-m", "dilocod", "demo", "--peers", "2", "--http-port", "0", "--run-dir", str(run_dir), *sets],

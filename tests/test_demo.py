@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, wait_for
+from tests.harness import REPO, get_json, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +64,11 @@ def test_demo_trains_then_ctrl_c_stops_everything(tmp_path: Path) -> None:
         text = out.read_text()
         assert "dashboard: http://127.0.0.1:" in text
         assert re.search(r"^outer step [1-9]\d* \| inner", text, re.MULTILINE), text
+        # Each peer trains on its share of the machine's cores, which the demo never sets for it.
+        share = max(1, len(os.sched_getaffinity(0)) // 2)
+        urls = re.findall(r"^peer \d: (http://\S+/api/status)", text, re.MULTILINE)
+        assert len(urls) == 2, text
+        assert [get_json(url)["threads"] for url in urls] == [share, share]
 
         started = time.monotonic()
         demo.send_signal(signal.SIGINT)

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pytest
@@ -20,6 +21,7 @@ from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
+from dilocod.rounds.phases import PHASES
 from dilocod.rounds.pipeline import Contribution, PipelineSettings, RoundPipeline
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.catchup import SyncResult
@@ -399,3 +401,28 @@ def test_a_stop_ends_the_loop_promptly(overlap: str) -> None:
     started = time.monotonic()
     rig.run_until(lambda: False, timeout=1.0)
     assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_each_round_says_where_the_time_between_its_inner_steps_went(overlap: str) -> None:
+    """`/api/status` `last_round_phases` and each round's record: the seconds from the end of one stretch of
+    inner steps to the start of the next, by phase (here: 0.2 s rounds, 0.1 s of them all-reduce)."""
+
+    def timed(contribution: Contribution) -> RoundOutcome:
+        return replace(ok(contribution), seconds=0.2, allreduce_seconds=0.1)
+
+    rig = Rig(overlap=overlap, script=[timed, timed, timed])
+    rig.averaging.seconds = 0.2
+    rig.view.others = [peer_record(0)]
+    rig.run_until(lambda: rig.outer.step >= 2 and rig.state.history[1].phases is not None)
+    phases = rig.state.history[1].phases
+    assert phases is not None and rig.state.last_round_phases is not None
+    assert {"close", "outer_step", "eval", "checkpoint", "publish"} <= set(phases)
+    if overlap == "none":  # the trainer waited for the whole round: matchmaking, then the all-reduce
+        assert phases["allreduce"] == pytest.approx(0.1)
+        assert 0.05 < phases["matchmaking"] < 0.5
+        assert "waiting" not in phases
+    else:  # the round averaged while the next one trained: at most a short wait for it
+        assert "matchmaking" not in phases and "allreduce" not in phases
+        assert phases.get("waiting", 0.0) < 0.2
+    assert list(phases) == [p for p in PHASES if p in phases]  # in the order a round goes through them

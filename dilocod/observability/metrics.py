@@ -61,6 +61,13 @@ class Metrics:
             "dilocod_data_served_bytes", "Bytes of dataset files served to other peers", registry=r
         )
         self.outer_step = Gauge("dilocod_outer_step", "Completed outer rounds", registry=r)
+        self.round_phase_seconds = Histogram(
+            "dilocod_round_phase_seconds",
+            "Seconds between two stretches of inner steps, by phase of the round in between",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.round_seconds = Histogram(
             "dilocod_outer_round_duration_seconds",
             "Matchmaking plus all-reduce time of one outer round",

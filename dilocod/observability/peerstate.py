@@ -29,6 +29,9 @@ class RoundRecord:
     tokens_counted: float = 0.0  # of those, what reached θ_global (the weight the group gave them)
     allreduce_seconds: float = 0.0  # of `seconds`, exchanging tensors (the rest: matchmaking)
     reason: str | None = None  # why a round failed, one line (`incomplete: …` when results came back partial)
+    # Seconds per phase from the end of the inner steps before this round to the start of the next ones
+    # (`dilocod/rounds/phases.py`); None until those inner steps start
+    phases: dict[str, float] | None = None
 
 
 @dataclass
@@ -66,6 +69,9 @@ class PeerState:
     tokens_per_second: float = 0.0
     mfu: float | None = None  # model FLOPs utilization; None when the devices' peak is unknown (CPU)
     devices: int = 1  # local devices training together as this one peer
+    threads: int = (
+        0  # torch threads the trainer runs on (its share of the machine's cores, or trainer.threads)
+    )
     global_sha256: str = "0" * 64
     group_size: int = 0
     alone: bool = False
@@ -79,6 +85,9 @@ class PeerState:
     bytes_sent: int = 0  # tensor payload bytes this peer sent (all-reduce), since it started
     bytes_received: int = 0  # ... and received (all-reduce and state downloads)
     last_round_seconds: float | None = None
+    last_round_phases: dict[str, float] | None = (
+        None  # the last gap between stretches of inner steps, by phase
+    )
     phase: str = "starting"  # starting | fetching data | training | averaging | syncing | stopping
     started: float = field(default_factory=time.time)
     train_seconds: float = 0.0  # wall time spent in finished stretches of inner steps
@@ -145,6 +154,7 @@ class PeerState:
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             "devices": self.devices,
+            "threads": self.threads,
             "global_sha256": self.global_sha256,
             "group_size": self.group_size,
             "alone": self.alone,
@@ -159,6 +169,7 @@ class PeerState:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "last_round_seconds": self.last_round_seconds,
+            "last_round_phases": self.last_round_phases,
             "compute_utilization": self.compute_utilization(),
             "train_seconds": round(self.train_seconds, 3),
             "uptime_seconds": time.time() - self.started,

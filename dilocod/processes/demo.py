@@ -121,14 +121,13 @@ class Swarm:
         raise RuntimeError("the bootstrap did not start in time")
 
     def start_peers(self, bootstrap: str) -> None:
-        threads = max(1, (os.cpu_count() or 1) // self.args.peers)
         for i in range(self.args.peers):
             port = free_port()
             self.peer_ports.append(port)
             # As a user joins: the bootstrap's address and this machine's own keys; the run's settings come
             # from the bootstrap's manifest (the demo's --config and run-wide --set went to the bootstrap).
-            overrides = [f"trainer.threads={threads}", *local_overrides(self.args.overrides)]
-            sets = [item for o in overrides for item in ("--set", o)]
+            # Each takes its share of the machine's cores by itself (processes/coreshare.py).
+            sets = [item for o in local_overrides(self.args.overrides) for item in ("--set", o)]
             run_dir = self.args.run_dir / f"peer-{i}"
             self.procs.append(
                 _spawn(

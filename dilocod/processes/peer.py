@@ -31,6 +31,7 @@ from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
 from dilocod.processes.averaging import PeerAveraging
+from dilocod.processes.coreshare import CoreShare, machine_share
 from dilocod.processes.datafeed import DataFeed
 from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
 from dilocod.processes.deadlines import resolve_deadlines
@@ -107,6 +108,7 @@ class PeerDaemon:
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self.scoring: ContributionScoring | None = None  # with `scoring.enabled`
+        self.cores: CoreShare | None = None  # our claim among the machine's CPU trainers (not on a GPU)
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -144,9 +146,13 @@ class PeerDaemon:
             )
         key = peer_key(self.args.run_dir)  # the data order is tied to our persistent identity
         partial = self.feed.partial_copy(self.cfg)
+        # After the network's forks (they would inherit our registry file's lock), before the trainer.
+        self.cores = machine_share(self.cfg.trainer)
+        threads = self.cores.threads() if self.cores is not None and self.cores.takes_a_share else 0
         build = functools.partial(
-            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial
-        )
+            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial,
+            threads=threads,
+        )  # fmt: skip
         del checkpoint, opened  # once restored, the checkpoint's tensors are garbage
         resumed = await loop.run_in_executor(self.pool, build)
         del build
@@ -226,6 +232,8 @@ class PeerDaemon:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""
         cfg, outer, trainer = self.cfg, resumed.outer, resumed.trainer
         training = TrainerThread(trainer, self.pool, self.state, self.metrics, self.stopping)
+        if self.cores is not None and self.cores.takes_a_share:
+            training.threads = self.cores.threads
         training.tokens = resumed.tokens
         judge = Judge(
             self.bans, self.state, self.metrics, network.group.set_banned, cfg.averaging.ban_seconds
@@ -381,6 +389,8 @@ class PeerDaemon:
         if self.local_group is not None:
             await loop.run_in_executor(self.pool, self.local_group.stop)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.cores is not None:
+            self.cores.close()
         if self.resumed is not None:  # a daemon that never started says nothing more than its error
             log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
 

@@ -52,15 +52,19 @@ def build_trainer(
     state: PeerState,
     *,
     partial: bool = False,
+    threads: int = 0,
 ) -> Resumed:
-    """Runs in the trainer thread: torch work stays off the event loop."""
-    if cfg.trainer.threads > 0:
-        torch.set_num_threads(cfg.trainer.threads)
+    """Runs in the trainer thread: torch work stays off the event loop. `threads`: torch's threads when
+    the machine's share decides them (0: `trainer.threads`, or torch's default)."""
+    threads = threads or cfg.trainer.threads
+    if threads > 0:
+        torch.set_num_threads(threads)
     # A joiner's copy may hold only some training shards: it fetches those of its chunks as it goes.
     corpus = open_corpus(cfg.data, partial=True) if partial else None
     trainer = InnerTrainer(
         cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key, corpus=corpus
     )
+    state.threads = torch.get_num_threads()  # this thread's: the trainer's
     if checkpoint is None and cfg.model.init:
         _start_from_init(cfg, trainer)
     outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)

@@ -8,19 +8,24 @@ port; each inner step is counted on the event loop (inner step, tokens, throughp
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
+from dilocod.processes.coreshare import RECHECK_SECONDS
 from dilocod.rounds.tokens import Part, TokenLedger
 from dilocod.trainer import InnerTrainer, StepStats
 from peers import heap
 
 T = TypeVar("T")
+log = logging.getLogger("dilocod.training")
 
 # Weight of the newest step in the throughput average (a few steps smooth out noise, yet a peer that
 # slows down shows it within a round: the run's clock relies on it).
@@ -44,6 +49,9 @@ class TrainerThread:
         # Awaited before every job but inner steps: a checkpoint being written reads θ_global, the outer
         # momentum and the residual live, and only these jobs (outer step, re-sync, step back) change them.
         self.guard: Callable[[], Awaitable[None]] | None = None
+        # Torch threads the trainer should run on now (the machine's share, `coreshare.py`); None: leave them.
+        self.threads: Callable[[], int] | None = None
+        self._threads_checked = -math.inf
 
     async def run(self, fn: Callable[[], T]) -> T:
         if self.guard is not None:
@@ -67,6 +75,7 @@ class TrainerThread:
             now = time.perf_counter()
             seconds, last[0] = now - last[0], now
             taken[0] += 1
+            self._follow_share(loop)
             # The chunk parts of this step, drained before the next step takes its windows.
             parts = self._drain_parts()
             loop.call_soon_threadsafe(self._count_step, step, loss, seconds, parts)
@@ -75,6 +84,7 @@ class TrainerThread:
             # The last round's buffers (Δ, the average, the outer step's temporaries) are free by now:
             # give their pages back before training makes new ones (peers/heap.py; a few ms a round).
             heap.trim()
+            self._follow_share(loop)
             return trainer.train_steps(1 << 62, should_stop=stop_now, on_step=stepped)
 
         self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
@@ -86,6 +96,22 @@ class TrainerThread:
             self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
             self.state.loss = stats.mean_loss  # the mean train loss of the round's steps
         return stats
+
+    def _follow_share(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Trainer thread: run on the machine's share of threads, re-read every RECHECK_SECONDS."""
+        now = time.monotonic()
+        if self.threads is None or now - self._threads_checked < RECHECK_SECONDS:
+            return
+        self._threads_checked = now
+        wanted, running = self.threads(), torch.get_num_threads()
+        if wanted != running:
+            log.info(
+                "training on %d thread(s), was %d: this machine's CPU trainers share its cores",
+                wanted,
+                running,
+            )
+            torch.set_num_threads(wanted)
+            loop.call_soon_threadsafe(setattr, self.state, "threads", wanted)
 
     def _drain_parts(self) -> list[Part]:
         cursor = self.trainer.cursor

@@ -25,15 +25,19 @@ from dilocod.rounds import clock
 from dilocod.rounds.effects import Effects, RoundContext, cancelled_quietly, published_quietly
 from dilocod.rounds.events import (
     Action,
+    Apply,
     Average,
     Averaged,
     AwaitRound,
     Begin,
+    Checkpoint,
     CheckRun,
     Closed,
     Download,
+    Evaluate,
     Event,
     Launch,
+    Publish,
     RunChecked,
     Stop,
     Stopping,
@@ -44,6 +48,7 @@ from dilocod.rounds.exchange import Exchange, InFlight, already, attempt
 from dilocod.rounds.joining import Joining
 from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
+from dilocod.rounds.phases import split_exchange
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Averaging, Publisher, RunView, Scoring, StateSyncing, Training
 from dilocod.rounds.timing import RoundTimer
@@ -55,6 +60,13 @@ from peers.group import RoundOutcome
 log = logging.getLogger("dilocod.rounds")
 
 ALONE_AFTER_TIMEOUTS = 4  # matchmaking timeouts without seeing another trainer before applying alone
+# The phase each effect's seconds count in (`phases.py`); Evaluate times its eval and sample itself.
+EFFECT_PHASES: dict[type, str] = {
+    Launch: "close",
+    Apply: "outer_step",
+    Checkpoint: "checkpoint",
+    Publish: "publish",
+}
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ class RoundDriver:
         self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
         self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next
+        self._phased: object = None  # the round record that got the last tally of phases
 
     # ---- the loop ------------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
@@ -141,17 +154,22 @@ class RoundDriver:
             event = await self._command(command)
 
     async def _effect(self, effect: Action) -> None:
-        if isinstance(effect, Launch):
-            await self._launch()
-        else:
-            await self.effects.perform(effect)  # type: ignore[arg-type]
+        if isinstance(effect, Evaluate):
+            await self.effects.perform(effect)
+            return
+        with self.context.phases.timing(EFFECT_PHASES.get(type(effect), "other")):
+            if isinstance(effect, Launch):
+                await self._launch()
+            else:
+                await self.effects.perform(effect)  # type: ignore[arg-type]
 
     async def _command(self, command: Action) -> Event:
         if self._stopping.is_set() and isinstance(command, Train | Average | Download):
             return Stopping()
         if isinstance(command, CheckRun):  # at start: our round is the run's, opened when it says
-            self._reopen = (await self.timer.run_opened(self.outer.step),)
-            return RunChecked(await self.facts())
+            with self.context.phases.timing("other"):
+                self._reopen = (await self.timer.run_opened(self.outer.step),)
+                return RunChecked(await self.facts())
         if isinstance(command, Train):
             return await self._train(command.hold)
         if isinstance(command, Average):
@@ -159,12 +177,14 @@ class RoundDriver:
         if isinstance(command, AwaitRound):
             return await self._await_in_flight()
         if isinstance(command, Download):
-            return await self._download(command.min_step)
+            with self.context.phases.timing("sync"):
+                return await self._download(command.min_step)
         raise TypeError(f"unknown command {command!r}")
 
     # ---- training until the run's clock closes the round ----------------------------------------------------
     async def _train(self, hold: bool) -> Event:
         self.state.phase = "training"
+        self._close_phases()
         timer = self.timer
         timer.reset(hold)
         tracker = asyncio.create_task(timer.track(self.outer.step))
@@ -190,6 +210,18 @@ class RoundDriver:
         await asyncio.sleep(0)  # the trainer task has marked the stretch of inner steps as begun
         await published_quietly(self.parts.publisher)
 
+    def _close_phases(self) -> None:
+        """Inner steps start again: what the time since the last ones went to is the last round's cost."""
+        phases = self.context.phases.close()
+        if not phases:
+            return
+        self.state.last_round_phases = phases
+        latest = self.state.history[-1] if self.state.history else None
+        if latest is not None and latest is not self._phased:  # a round was recorded in that gap
+            latest.phases, self._phased = phases, latest
+        for phase, seconds in phases.items():
+            self.metrics.round_phase_seconds.labels(phase=phase).observe(seconds)
+
     def _should_stop(self) -> bool:
         """Called by the trainer thread before each inner step."""
         return self._stopping.is_set() or self.timer.should_stop()
@@ -197,11 +229,19 @@ class RoundDriver:
     # ---- averaging -----------------------------------------------------------------------------------------
     async def _average_now(self) -> Event:
         self.state.phase = "averaging"
-        round_ = await self.exchange.start()
+        phases = self.context.phases
+        with phases.timing("close"):
+            round_ = await self.exchange.start()
+        started = time.perf_counter()
         outcome = await self.exchange.unless_stopped(round_.task, self._stopping)
         if outcome is None:
             return Stopping()
-        return await self._settle(round_, outcome)
+        for phase, seconds in split_exchange(
+            time.perf_counter() - started, outcome.allreduce_seconds
+        ).items():
+            phases.add(phase, seconds)
+        with phases.timing("other"):
+            return await self._settle(round_, outcome)
 
     async def _launch(self) -> None:
         """Overlap: start this round's averaging in the background; the next round opens now."""
@@ -216,11 +256,13 @@ class RoundDriver:
         waited = not round_.task.done()
         if waited:
             self.state.phase = "averaging"  # the network is slower than a round of inner steps
-        outcome = await self.exchange.unless_stopped(round_.task, self._stopping)
+        with self.context.phases.timing("waiting"):
+            outcome = await self.exchange.unless_stopped(round_.task, self._stopping)
         if outcome is None:
             return Stopping()
         self._note_overlap(waited and outcome.found_group and outcome.complete)
-        return await self._settle(round_, outcome)
+        with self.context.phases.timing("other"):
+            return await self._settle(round_, outcome)
 
     def _offer_pending(self, contribution: Contribution, task: asyncio.Task[RoundOutcome]) -> None:
         """A round in flight completed: serve its average with our state until the close applies it, so a

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
@@ -31,6 +31,7 @@ from dilocod.rounds.events import (
     StepBack,
     Warn,
 )
+from dilocod.rounds.phases import PhaseTimes
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Publisher, Scoring, StateSyncing, Training
 from dilocod.rounds.tokens import TokenLedger
@@ -51,6 +52,7 @@ class RoundContext:
     outcome: RoundOutcome | None = None  # its averaging outcome
     sent_tokens: int = 0  # tokens behind that contribution
     counted: float = 0.0  # of those, what reached θ_global
+    phases: PhaseTimes = field(default_factory=PhaseTimes)  # where the time between stretches of steps goes
 
 
 class Effects:
@@ -130,11 +132,13 @@ class Effects:
     async def evaluate(self) -> None:
         """The eval loss of the new θ_global, into the state and the round's record, and a completion of the
         run's prompt (each when it is due)."""
-        await self._eval()
+        with self.context.phases.timing("eval"):
+            await self._eval()
         every = self.cfg.trainer.sample_every
         if self.sample is not None and every > 0 and self.outer.step % every == 0:
             started = time.perf_counter()
-            self.state.sample = await self.training.run(self.sample)
+            with self.context.phases.timing("sample"):
+                self.state.sample = await self.training.run(self.sample)
             self.state.sample_step = self.outer.step
             log.info("outer step %d: sample %r (%.2fs)", self.outer.step, self.state.sample,
                      time.perf_counter() - started)  # fmt: skip
