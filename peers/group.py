@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -247,7 +249,10 @@ class GroupAverager:
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(control), budget)
         except TimeoutError:
-            control.cancel()
+            # A process stopped past the budget (SIGSTOP, a suspended laptop) wakes to a step the averager
+            # may have finished meanwhile: then there is nothing left to cancel.
+            with contextlib.suppress(InvalidStateError):
+                control.cancel()
             return _failed(loop.time() - started, "timed out", found_group=True)
         except MatchmakingException as e:
             outcome = _failed(

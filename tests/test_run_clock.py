@@ -8,6 +8,7 @@ in, so the group meets at once; contributions are weighted by their tokens.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import defaultdict
@@ -175,3 +176,37 @@ def test_more_peers_than_a_group_holds_make_one_theta_per_round(swarm: Callable[
     # re-syncs, keeping its progress) misses two rounds at most, once in these peer-rounds; no peer is
     # absent without a record of why.
     assert sum(members.values()) >= 6 * len(window) - 2 and len(missed) <= 2, missed
+
+
+PAUSE_SECONDS = 25
+
+
+def test_a_paused_peer_never_sets_the_runs_pace(swarm: Callable[..., Swarm]) -> None:
+    """A member whose whole machine stalls (its process group stopped, network included, as a laptop
+    closed mid-round) costs the run at most the round it stalled in: the others close rounds on the run's
+    clock without it, and it is back once it runs again."""
+    s = swarm(3)
+    s.wait_all_at(2, timeout=240)
+    paused, others = s.peers[2], s.peers[:2]
+    assert paused.popen is not None
+    os.killpg(paused.popen.pid, signal.SIGSTOP)
+    try:
+        began = max(p.status()["outer_step"] for p in others)
+        time.sleep(PAUSE_SECONDS)
+        during = [p.status() for p in others]
+    finally:
+        os.killpg(paused.popen.pid, signal.SIGCONT)
+    # H = 5 steps of 8 × 64 tokens: a round takes ~2 s here; waiting for the paused peer would stall.
+    assert min(st["outer_step"] for st in during) >= began + 4, (began, [st["rounds"][-6:] for st in during])
+    for st in during:  # no round of theirs waited long for it: the longest costs at most its deadlines
+        rounds = [e for e in st["rounds"] if e["outer_step"] > began]
+        assert max(e["seconds"] for e in rounds) < 15, rounds
+        assert sum(e["result"] == "ok" for e in rounds) >= len(rounds) - 2, rounds
+    thawed_at = max(p.status()["outer_step"] for p in others)
+    back = wait_for(
+        "the paused peer in a successful round",
+        lambda: [step for step in ok_steps(paused.status()) if step > thawed_at],
+        120,
+    )
+    assert min(back) <= thawed_at + 4, (thawed_at, sorted(back))
+    assert_one_theta_per_step([p.status() for p in s.peers], after=began)
