@@ -84,6 +84,8 @@ WINDOW = 8.0
     ("last", "now_due", "now", "expected"),
     [
         (None, due(1, 0, 99.5), 100.0, True),  # the trainers just launched step 0 and opened round 1
+        (None, due(0, 0, 99.5), 100.0, False),  # the run's first round opened: nothing launched yet
+        (Joined(1, 0, 100.0), due(3, 3, 108.0), 108.2, False),  # they re-synced: no round in flight
         (
             None,
             due(1, 0, 80.0),

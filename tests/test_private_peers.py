@@ -45,6 +45,26 @@ def test_private_peers_average_through_the_bootstrap(swarm: Callable[..., Swarm]
     assert s.bootstrap is not None and s.bootstrap.status()["reducer"]["rounds_reduced"] >= 2
 
 
+def test_three_private_peers_with_overlap_meet_from_their_first_round(swarm: Callable[..., Swarm]) -> None:
+    """With overlap the bootstrap joins a round's group at the launch that opened the trainers' next round.
+    It once also joined the run's first round as it opened, holding a matchmaking from the start: the first
+    peer to close met it alone, θ_global split, and no private peer can give another the run's state, so
+    the odd one out stayed behind for good (4 runs of 4 here, once rounds took a few seconds)."""
+    s = swarm(3, *PRIVATE, "outer.overlap=delayed", "trainer.inner_steps=20")
+    try:
+        statuses = s.wait_all_at(4, timeout=240)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{s.log_tails()}") from None
+    for status in statuses:
+        early = [
+            (e["outer_step"], e["result"], e["group_size"]) for e in status["rounds"] if e["outer_step"] <= 4
+        ]
+        assert [(step, result, size) for step, result, size in early] == [
+            (step, "ok", 3) for step in range(1, 5)
+        ], (status["peer_id"], early)
+    assert len({st["global_sha256"] for st in statuses if st["outer_step"] == 4}) <= 1
+
+
 def test_without_a_public_reducer_private_peers_are_told_why(tmp_path: Path) -> None:
     s = Swarm(
         tmp_path,

@@ -96,8 +96,14 @@ def due_at_close(last: Joined | None, due: DueRound, now: float) -> bool:
 
 def due_at_launch(last: Joined | None, due: DueRound, now: float, window: float) -> bool:
     """With overlap: whether to enter the matchmaking the trainers launched when their current round opened:
-    it opened no more than `window` (the matchmaking timeout) ago, and we have not joined this launch."""
-    if due.opened is None or now - due.opened > window:
+    it opened no more than `window` (the matchmaking timeout) ago, and we have not joined this launch.
+
+    A round opened by a launch is ahead of the trainers' outer step (the round they closed is in flight).
+    One that is not (the run's first round, or a round after a re-sync) opened without a launch: its group
+    forms at its close, so there is nothing to join yet. Joining it at once held a matchmaking open from the
+    start of the run, and the first trainer to close its first round, a moment before the others, met us
+    alone: a group of one trainer, and θ_global split two ways."""
+    if due.key >= due.round or due.opened is None or now - due.opened > window:
         return False
     if last is None or (last.round, last.key) != (due.round, due.key):
         return True
