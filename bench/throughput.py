@@ -1,10 +1,13 @@
 """Throughput of one peer vs a bare torch loop on the same model and batch, and of each preset.
 
     .venv/bin/python bench/throughput.py [--steps 60] [--presets tiny,small,124m] [--peer | --peer-only]
-                                         [--peer-seconds 40]
+                                         [--peer-seconds 40] [--muon-only]
 
 The trainer is compared with the bare loop on AdamW (what the bare loop runs); then the trainer with Muon
-(`trainer.optimizer = muon`, the tiny config's default) and with AdamW alternate, for the cost of Muon's step.
+(`trainer.optimizer = muon`, the tiny config's default) and with AdamW alternate, for the cost of Muon's step
+(`--muon-only`: that comparison alone). The first line names the CPU and its bf16 features: Muon's cost
+depends on them (`dilocod/trainer/precision.py`). `ONEDNN_MAX_CPU_ISA=AVX2` in the environment makes a CPU
+with native bf16 compute it as one without does.
 
 Measured side by side in one run (this machine is noisy): the bare loop and the daemon's trainer
 alternate, several times, and the ratio is taken per pair. With `--peer`, a real `dilocod join`
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -127,12 +131,17 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--peer-seconds", type=float, default=40, help="how long a peer is timed")
     parser.add_argument("--peer-only", action="store_true", help="only the peer's rows")
+    parser.add_argument("--muon-only", action="store_true", help="only Muon against AdamW")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {cpu_line()}")
 
+    if args.muon_only:
+        compare_muon(args.repeats, args.steps)
+        return
     if not args.peer_only:
         compare_trainer(args.repeats, args.steps)
+        compare_muon(args.repeats, args.steps)
     if args.peer or args.peer_only:
         compare_peer(args.repeats, args.steps, args.peer_seconds)
     if not args.peer_only:
@@ -152,6 +161,26 @@ def compare_trainer(repeats: int, steps: int) -> None:
         f"{statistics.median(ours):,.0f} tok/s, ratio {statistics.median(ratios):.3f} "
         f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})"
     )
+
+
+def cpu_line() -> str:
+    """The CPU's model, its bf16 features, what oneDNN may use and the dtype Muon orthogonalises in."""
+    from dilocod.trainer.precision import bf16_is_fast
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?"
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
+    )
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags]
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or "all"
+    ns = "bf16" if bf16_is_fast("cpu") else "fp32"
+    return f"CPU {model} ({', '.join(bf16) or 'no AVX'}), oneDNN ISA {isa}: Muon orthogonalises in {ns}"
+
+
+def compare_muon(repeats: int, steps: int) -> None:
     muon, adamw = [], []
     for _ in range(repeats):
         muon.append(trainer_loop("tiny", 16, 128, steps, "muon"))

@@ -45,13 +45,16 @@ class TrainerConfig:
     sample_prompt: str = "The"  # the text every peer completes (the same for the whole run: comparable)
     sample_tokens: int = 48  # new tokens a completion has at most (its text is cut to 200 characters)
     device: str = "auto"  # "auto" (CUDA with bf16 autocast when present) | "cpu" | "cuda" | "cuda:N"
-    threads: int = 0  # CPU threads for torch; 0 keeps torch's default (split between local workers)
+    # CPU threads for torch; 0: this peer's share of the machine's cores, the cores divided among the CPU
+    # trainers running on it, followed as they come and go (split between local workers)
+    threads: int = 0
     devices: int | str = 1  # local devices (data-parallel workers) of this peer: N >= 1 or "auto"
     compile: bool = False  # torch.compile the training forward/backward
     activation_checkpointing: bool | str = "auto"  # "auto": on for the 124m and 1b presets on CUDA
     peak_flops: float | None = None  # one device's peak FLOP/s, for MFU; unset: from the GPU's name
     # "muon" (Muon for the blocks' matrices, AdamW for the rest) | "adamw"; muon: lower loss at equal tokens in
-    # every seed pair of the convergence study (docs/benchmarks.md), for 1.16 × the step time (tiny, a CPU)
+    # every seed pair of the convergence study (docs/benchmarks.md), for 1.0-1.2 × the step time on any CPU
+    # (tiny; its orthogonalisation runs in bf16 only where the CPU multiplies bf16 natively)
     optimizer: str = "muon"
     muon_lr_ratio: float = 1.0  # Muon's lr = this × the schedule's lr (Muon's updates match AdamW's RMS)
 
