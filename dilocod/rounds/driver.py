@@ -48,7 +48,6 @@ from dilocod.rounds.exchange import Exchange, InFlight, already, attempt
 from dilocod.rounds.joining import Joining
 from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
-from dilocod.rounds.phases import split_exchange
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Averaging, Publisher, RunView, Scoring, StateSyncing, Training
 from dilocod.rounds.timing import RoundTimer
@@ -236,10 +235,7 @@ class RoundDriver:
         outcome = await self.exchange.unless_stopped(round_.task, self._stopping)
         if outcome is None:
             return Stopping()
-        for phase, seconds in split_exchange(
-            time.perf_counter() - started, outcome.allreduce_seconds
-        ).items():
-            phases.add(phase, seconds)
+        phases.exchange(time.perf_counter() - started, outcome.allreduce_seconds)
         with phases.timing("other"):
             return await self._settle(round_, outcome)
 

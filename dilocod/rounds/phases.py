@@ -40,6 +40,12 @@ class PhaseTimes:
             raise ValueError(f"unknown round phase {phase!r}")
         self.current[phase] = self.current.get(phase, 0.0) + max(0.0, seconds)
 
+    def exchange(self, waited: float, allreduce_seconds: float) -> None:
+        """An averaging wait: the all-reduce the outcome measured, the rest matchmaking."""
+        allreduce = min(max(0.0, allreduce_seconds), max(0.0, waited))
+        self.add("matchmaking", waited - allreduce)
+        self.add("allreduce", allreduce)
+
     @contextlib.contextmanager
     def timing(self, phase: str) -> Iterator[None]:
         started = time.perf_counter()
@@ -52,9 +58,3 @@ class PhaseTimes:
         """The tally since the last close, in PHASES order, rounded to ms; a new tally starts."""
         tally, self.current = self.current, {}
         return {phase: round(tally[phase], 3) for phase in PHASES if phase in tally}
-
-
-def split_exchange(waited: float, allreduce_seconds: float) -> dict[str, float]:
-    """An averaging wait cut into matchmaking and the all-reduce (which the outcome measured)."""
-    allreduce = min(max(0.0, allreduce_seconds), max(0.0, waited))
-    return {"matchmaking": waited - allreduce, "allreduce": allreduce}
