@@ -292,3 +292,50 @@ def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_on
     assert all(torch.equal(a, b) for a, b in zip(downloaded.tensors, served[1]))
     assert [p for p, _ in punished] == ["liar"] and sorted(donors) == ["a", "b", "liar"]
     assert set(status["parts_from"]) == {"a", "b"} and status["banned"] == ["liar"] and not status["active"]
+
+
+def test_an_outvoted_head_ahead_of_the_records_is_judged_when_they_arrive() -> None:
+    # A bad donor declares the run's newest step with its own θ while the records still stop a step
+    # earlier (its honest peers just closed the round): the download goes on without it, and it is refused
+    # and punished once their records for that step arrive (a fast run missed it for good before).
+    import asyncio
+    import time
+
+    from dilocod.config import load_config
+    from dilocod.statesync.catchup import StateSync
+    from proto import encode_state_meta
+
+    def head(step: int, sha: str) -> bytes:
+        meta = {"outer_step": step, "global_sha256": sha, "num_tensors": 2, "param_count": 1, "time": 0.0}
+        return encode_state_meta({**meta, "pending_tensors": 0})
+
+    async def scenario() -> tuple[list[str], list[str], float]:
+        sync: Any = object.__new__(StateSync)
+        sync.cfg = load_config(None, ["net.status_interval=1"])
+        sync.seen, sync._judging = {}, set()
+        started = time.monotonic()
+        early = [record("p1", 6), record("p2", 6), record("liar", 6)]
+        late = [record("p1", 7, B), record("p2", 7, B), record("liar", 7, B), record("early", 7, B)]
+
+        async def records() -> list[dict[str, Any]]:
+            return early if time.monotonic() - started < 0.6 else late
+
+        punished: list[str] = []
+
+        async def punish(liars: list[tuple[str, str]]) -> None:
+            punished.extend(d for d, _ in liars)
+
+        sync._records, sync._punish = records, punish
+        await sync.others()
+        tried: list[str] = []
+        outvoted = {"liar": head(7, C), "early": head(8, C), "stale": head(6, C)}
+        await sync._hold_outvoted(outvoted, tried)
+        held = list(tried)  # nothing to judge step 7 or 8 by yet; step 6's records prove "stale" lied
+        await asyncio.gather(*sync._judging)
+        return held, punished, time.monotonic() - started
+
+    held, punished, took = asyncio.run(scenario())
+    assert held == ["stale"]
+    # "liar" reported B at step 7 and declared C; "early" is ahead of every record: nothing proves a lie
+    assert sorted(punished) == ["liar", "stale"]
+    assert took < 3.5  # bounded by the records' wait (RECORD_WAITS status intervals)

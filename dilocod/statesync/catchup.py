@@ -90,6 +90,7 @@ class StateSync:
         self.parts = parts  # the download in parts from several donors (None: whole, from one donor)
         self.seen: dict[int, dict[str, str]] = {}  # outer step → peer id → the θ hash it reported there
         self.snapshot: Snapshot | None = None
+        self._judging: set[asyncio.Task[None]] = set()  # heads judged once the records cover their step
 
     # ---- serving ours --------------------------------------------------------------------------------
     def share(self) -> None:
@@ -233,16 +234,51 @@ class StateSync:
     async def _hold_outvoted(self, outvoted: dict[str, bytes], tried: list[str]) -> None:
         """Donors whose head most others contradict are not asked for parts; one that declared a θ_global
         the run's records contradict at its step lies (a `bad_donor`), and is refused and punished as if
-        its whole state had been downloaded. One a round ahead or behind, or of a split group, is not."""
+        its whole state had been downloaded. One a round ahead or behind, or of a split group, is not.
+        A head at a step the records do not cover yet (a donor that just closed a round) is judged once
+        they arrive, in the background: the download goes on without it meanwhile."""
         liars: list[tuple[str, str]] = []
+        undecided: dict[str, bytes] = {}
         for donor, blob in outvoted.items():
             problem = self._outvoted_lie(donor, blob)
-            if problem is not None:
-                log.warning("refused state from %s: %s", donor, problem)
-                liars.append((donor, f"served state that was refused: {problem}"))
+            if problem is None and self._awaits_records(donor, blob):
+                undecided[donor] = blob
+            elif problem is not None:
+                liars.append(self._refuse(donor, problem))
                 tried.append(donor)
         if liars:
             await self._punish(liars)
+        if undecided:
+            task = asyncio.create_task(self._judge_when_recorded(undecided))
+            self._judging.add(task)
+            task.add_done_callback(self._judging.discard)
+
+    async def _judge_when_recorded(self, heads: dict[str, bytes]) -> None:
+        """Punish the donors among `heads` whose declared θ_global the records contradict, as the records
+        for their steps arrive (for as long as `_verify` waits for a downloaded state's)."""
+        deadline = time.monotonic() + RECORD_WAITS * self.cfg.net.status_interval
+        while heads and time.monotonic() < deadline:
+            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.cfg.net.status_interval))
+            await self.others()
+            liars = [
+                self._refuse(d, p) for d, b in heads.items() if (p := self._outvoted_lie(d, b)) is not None
+            ]
+            heads = {d: b for d, b in heads.items() if self._awaits_records(d, b)}
+            if liars:
+                await self._punish(liars)
+
+    @staticmethod
+    def _refuse(donor: str, problem: str) -> tuple[str, str]:
+        log.warning("refused state from %s: %s", donor, problem)
+        return donor, f"served state that was refused: {problem}"
+
+    def _awaits_records(self, donor: str, blob: bytes) -> bool:
+        """Whether no record judges the head yet (its step is newer than the records we read)."""
+        try:
+            step = decode_state_meta(blob)["outer_step"]
+        except ProtoError:
+            return False
+        return expected_hash(self.seen, step, donor) is None
 
     def _outvoted_lie(self, donor: str, blob: bytes) -> str | None:
         try:
