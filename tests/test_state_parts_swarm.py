@@ -15,10 +15,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(240)
 def test_a_joiner_downloads_the_state_in_parts_from_two_donors(swarm: Callable[..., Swarm]) -> None:
-    # Rounds of 30 inner steps, not 5: a download planned just as one donor finished a round and the other
-    # had not finds them at two steps, and takes the newer state from the one donor that has it (a full
-    # suite saw it once with ~1 s rounds).
-    s = swarm(2, "trainer.inner_steps=30")
+    # Rounds of 150 inner steps (~10 s on 2 shared cores), not 5: a download planned just as one donor
+    # finished a round and the other had not finds them at two steps, and takes the newer state from the
+    # one donor that has it (CI saw it with ~2 s rounds: the status then shows that second download).
+    s = swarm(2, "trainer.inner_steps=150")
     try:
         s.wait_all_at(1, timeout=120)
         donors = {p.status()["peer_id"] for p in s.peers}
