@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/dilocod demo --peers $(PEERS)
 
 test: $(STAMP) $(RELAY_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check dilocod peers proto tests bench
