@@ -9,7 +9,7 @@ RELAY_SITE := $(VENV)/libp2p-site
 RELAY_STAMP := $(RELAY_SITE)/.installed
 PEERS ?= 3
 
-.PHONY: demo test lint venv relay clean bench
+.PHONY: test-fast demo test lint venv relay clean bench
 
 venv: $(STAMP) $(RELAY_STAMP)
 
@@ -33,10 +33,15 @@ demo: $(STAMP)
 test: $(STAMP) $(RELAY_STAMP)
 	$(BIN)/python -m pytest -q --durations=25 tests
 
+# The unit tier for the edit-test loop (no test marked `integration`: no swarm, no real DHT or server).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not integration" tests
+
 lint: $(STAMP)
 	$(BIN)/ruff check dilocod peers proto tests bench
 	$(BIN)/ruff format --check dilocod peers proto tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -28,8 +28,8 @@ from dilocod.codecs import ErrorFeedback  # noqa: E402
 from dilocod.config import load_config  # noqa: E402
 from dilocod.data.cursor import ChunkCursor  # noqa: E402
 from dilocod.diloco import OuterOptimizer  # noqa: E402
+from dilocod.node.resume import Resumed, checkpoint_payload  # noqa: E402
 from dilocod.observability.peerstate import PeerState  # noqa: E402
-from dilocod.processes.resume import Resumed, checkpoint_payload  # noqa: E402
 from dilocod.rounds.tokens import TokenLedger  # noqa: E402
 from dilocod.statesync.checkpoint import save_checkpoint  # noqa: E402
 from dilocod.trainer import InnerTrainer  # noqa: E402

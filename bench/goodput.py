@@ -51,7 +51,7 @@ def _shapes(preset: str, floats: int | None) -> list[Any]:
 
     if floats:
         return [torch.Size([floats])]
-    from dilocod.processes.helper import parameter_shapes
+    from dilocod.node.helper import parameter_shapes
     from dilocod.trainer.model import ModelConfig
 
     return parameter_shapes(ModelConfig(preset=preset))

@@ -24,7 +24,7 @@ status=0
 # --noconftest: the test harness's fixtures start hivemind; the CUDA tests need none of them.
 $PY -m pytest -q --noconftest -p no:cacheprovider -o addopts="" tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 $PY bench/gpu_mfu.py --out "$OUT/gpu_mfu.json" 2>&1 | tee "$OUT/gpu_mfu.log" || status=1
-if $PY -c "import hivemind, dilocod.processes.peer" 2>/dev/null; then
+if $PY -c "import hivemind, dilocod.node.peer" 2>/dev/null; then
     timeout 300 $PY bench/size.py --preset 124m --peers 2 --rounds 3 --set trainer.device=cuda \
         --set trainer.batch_size=8 --set trainer.seq_len=512 --json 2>&1 | tee "$OUT/gpu_swarm.log" || status=1
 else

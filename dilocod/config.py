@@ -31,6 +31,7 @@ from dilocod.trainer.hfmodel import HFConfigError
 from dilocod.trainer.lm import lm_skeleton, model_name
 from dilocod.trainer.model import PRESETS, ModelConfig
 from dilocod.trainer.settings import TrainerConfig
+from dilocod.trust.adversary import AdversaryConfig
 
 if TYPE_CHECKING:
     from peers.auth import RunAuth
@@ -169,30 +170,6 @@ class AveragingConfig:
             )
         self.reducer_config().validate()
         self.screening_config().validate()
-
-
-ADVERSARY_MODES = (
-    "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
-    "inflate_tokens", "freeride", "copy_update", "wrong_data",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class AdversaryConfig:
-    """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
-
-    # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
-    # inflate_tokens | freeride | copy_update | wrong_data: attack the run, for testing defences only
-    # (docs/trust.md)
-    mode: str = "none"
-    alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
-    stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
-
-    def validate(self) -> None:
-        if self.mode not in ADVERSARY_MODES:
-            raise ValueError(f"adversary.mode must be one of {', '.join(ADVERSARY_MODES)}, got '{self.mode}'")
-        if self.stale_rounds < 1:
-            raise ValueError(f"adversary.stale_rounds must be >= 1, got {self.stale_rounds}")
 
 
 @dataclass(frozen=True)

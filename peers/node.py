@@ -312,19 +312,10 @@ class Node:
         future = self.started.run_coroutine(_count_records, return_future=True)
         return int(await asyncio.wrap_future(future))
 
-    async def peers_connected(self) -> int:
-        """How many DHT peers our routing table knows (cheap liveness signal for the UI)."""
-        future = self.started.run_coroutine(_count_routing_peers, return_future=True)
-        return int(await asyncio.wrap_future(future))
-
 
 # Run inside the DHT process by `run_coroutine`, which pickles the function: module level, not closures.
 async def _count_records(_dht: Any, node: Any) -> int:
     return len(node.protocol.storage) + len(node.protocol.cache)
-
-
-async def _count_routing_peers(_dht: Any, node: Any) -> int:
-    return len(node.protocol.routing_table.peer_id_to_uid)
 
 
 def stop_child(process: Any, timeout: float) -> None:

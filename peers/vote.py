@@ -24,11 +24,6 @@ class Vote(Generic[T]):
     votes: int
     cast: int
 
-    @property
-    def absolute(self) -> bool:
-        """More than half of all votes."""
-        return 2 * self.votes > self.cast
-
 
 def plurality(values: Iterable[T | None]) -> Vote[T] | None:
     """The most common value (None entries abstain); ties go to the smallest value; None if nobody voted."""

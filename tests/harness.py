@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from dilocod.processes.demo import free_port
+from dilocod.node.demo import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 # A tiny, fast configuration: H=5 inner steps of 8×64 tokens, short deadlines, frequent status records.
 # No trainer.threads: as on a user's machine, every peer takes its share of the cores by itself
-# (dilocod/processes/coreshare.py).
+# (dilocod/node/coreshare.py).
 FAST = (
     "trainer.inner_steps=5",
     "trainer.batch_size=8",

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from dilocod.config import AdversaryConfig
-from dilocod.trust.adversary import ALIE_WINDOW, Adversary
+from dilocod.trust.adversary import ALIE_WINDOW, Adversary, AdversaryConfig
 
 
 def honest_delta(seed: int) -> list[torch.Tensor]:

@@ -29,6 +29,8 @@ from peers.node import Node, NodeOptions
 from tests.fakes import round_ticket
 from tests.harness import Swarm, get_json
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 SECRET = "correct horse battery staple"
 OTHER = "incorrect horse battery staple"
 

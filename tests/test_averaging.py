@@ -15,6 +15,8 @@ from peers.shmem import whole_pages
 from proto import encode_ticket
 from tests.averagers import started_averagers
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 SHAPES = [(300_000,), (17, 3)]  # > one 512 KiB part, so several reducers share the work
 SHA_A, SHA_B = "a" * 64, "b" * 64
 NUM = sum(torch.Size(s).numel() for s in SHAPES)

@@ -20,6 +20,12 @@ from dilocod.statesync.ledger import (
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
 
+def sync_settings(cfg: Any) -> Any:
+    from dilocod.statesync.catchup import SyncSettings
+
+    return SyncSettings(cfg.net.status_interval, cfg.averaging.state_timeout, cfg.outer)
+
+
 def record(peer: str, step: int, sha: str = A, **extra: Any) -> dict[str, Any]:
     return {"peer_id": peer, "outer_step": step, "global_sha256": sha, **extra}
 
@@ -120,7 +126,7 @@ def adopter(rebase_on_resync: bool) -> Any:
         ],
     )
     keeper: Any = object.__new__(StateSync)
-    keeper.cfg, keeper._on_adopted = cfg, lambda: None
+    keeper.settings, keeper._on_adopted = sync_settings(cfg), lambda: None
     keeper.trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=0, peer_key="catchup")
     keeper.outer = OuterOptimizer(keeper.trainer.working_params_fp32(), cfg.outer)
     keeper.trainer.train_steps(2)
@@ -171,7 +177,7 @@ def server() -> Any:
 
     outer = OuterOptimizer([torch.ones(4), torch.zeros(2, 3)], cfg.outer)
     return StateSync(
-        cfg, outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
+        sync_settings(cfg), outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
         in_trainer=None, records=None, punish=None, banned=list, on_adopted=lambda: None, count_bytes=None,  # type: ignore[arg-type]
     )  # fmt: skip
 
@@ -260,7 +266,7 @@ def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_on
     def sync(**kwargs: Any) -> StateSync:
         outer = OuterOptimizer([torch.linspace(0, 1, 300_000), torch.ones(7)], cfg.outer)
         return StateSync(
-            cfg, outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
+            sync_settings(cfg), outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
             in_trainer=None, on_adopted=lambda: None, count_bytes=None, **kwargs,  # type: ignore[arg-type]
         )  # fmt: skip
 
@@ -311,7 +317,7 @@ def test_an_outvoted_head_ahead_of_the_records_is_judged_when_they_arrive() -> N
 
     async def scenario() -> tuple[list[str], list[str], float]:
         sync: Any = object.__new__(StateSync)
-        sync.cfg = load_config(None, ["net.status_interval=1"])
+        sync.settings = sync_settings(load_config(None, ["net.status_interval=1"]))
         sync.seen, sync._judging = {}, set()
         started = time.monotonic()
         early = [record("p1", 6), record("p2", 6), record("liar", 6)]

@@ -1,5 +1,5 @@
 """The checkpoint cadence (`checkpoint.every`) and the writer that streams θ_global from the live tensors
-(`dilocod.statesync.checkpoint.checkpoint_due`, `dilocod.processes.publishing.CheckpointWriter`)."""
+(`dilocod.statesync.checkpoint.checkpoint_due`, `dilocod.node.publishing.CheckpointWriter`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dilocod.config import ConfigError, load_config
+from dilocod.node.publishing import CheckpointWriter
 from dilocod.observability.metrics import Metrics
-from dilocod.processes.publishing import CheckpointWriter
 from dilocod.statesync.checkpoint import checkpoint_due, load_checkpoint
 
 

@@ -126,6 +126,7 @@ def _reported(fd: int) -> list[int]:
     return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)]
 
 
+@pytest.mark.integration
 def test_sigkill_at_random_moments_of_checkpoint_writes_always_leaves_the_last_good_one(
     tmp_path: Path,
 ) -> None:

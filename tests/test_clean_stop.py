@@ -147,7 +147,7 @@ def test_averager_stops_quietly_once_p2pd_is_gone(stderr: Callable[[], str]) -> 
 
 SLOW_STOP = """
 import asyncio, logging, sys, time
-from dilocod.processes import runtime
+from dilocod.node import runtime
 
 def stuck_in_a_cleanup() -> None:
     time.sleep(4)

@@ -20,7 +20,7 @@ from dilocod.config import (
     load_config,
 )
 from dilocod.diloco.outer import OuterConfig
-from dilocod.processes.deadlines import resolve_deadlines
+from dilocod.node.deadlines import resolve_deadlines
 from dilocod.trainer.data import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig
 from dilocod.trainer.settings import TrainerConfig

@@ -1,5 +1,5 @@
 """Torch's OpenMP threads are the trainer's: side threads run their torch work on one core
-(`dilocod.processes.runtime.leave_cores_to_training`)."""
+(`dilocod.node.runtime.leave_cores_to_training`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import asyncio, resource, sys, threading
 import torch
-from dilocod.processes.runtime import leave_cores_to_training
+from dilocod.node.runtime import leave_cores_to_training
 
 async def side() -> int:
     leave_cores_to_training()

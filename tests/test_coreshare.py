@@ -1,4 +1,4 @@
-"""CPU trainers on one machine share its cores (`dilocod/processes/coreshare.py`): the rule, the registry
+"""CPU trainers on one machine share its cores (`dilocod/node/coreshare.py`): the rule, the registry
 of live daemons, and peers of a real swarm that each report their share in `/api/status`."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.processes.coreshare import Claim, CoreShare, share_threads
+from dilocod.node.coreshare import Claim, CoreShare, share_threads
 from tests.harness import Swarm, wait_for
 
 TWO = frozenset({0, 1})
@@ -41,7 +41,7 @@ def test_the_share_of_threads(mine: Claim, others: list[Claim], threads: int) ->
 HOLDER = """
 import sys, time
 from pathlib import Path
-from dilocod.processes.coreshare import Claim, CoreShare
+from dilocod.node.coreshare import Claim, CoreShare
 share = CoreShare(Claim(frozenset({0, 1})), Path(sys.argv[1]))
 share.register()
 print("registered", flush=True)

@@ -15,7 +15,6 @@ from dilocod.data.shards import (
     HEADER_SIZE,
     ShardInfo,
     TokenStream,
-    file_sha256,
     index_bytes,
     load_index,
     open_shard,
@@ -25,6 +24,7 @@ from dilocod.data.shards import (
     verify_shard,
     write_shard,
 )
+from dilocod.files import file_sha256
 
 
 def one_line(e: pytest.ExceptionInfo[DataError]) -> str:

@@ -15,7 +15,7 @@ from dilocod.data.local import VERIFIED_FILE, missing_train_shards, open_dataset
 from dilocod.data.prepare import prepare
 from dilocod.data.shards import INDEX_FILE, load_index
 from dilocod.data.tokenizer import train_bpe
-from dilocod.processes.demo import free_port
+from dilocod.node.demo import free_port
 from tests.harness import FAST, REPO, Proc, Swarm, round_hashes, wait_for
 
 pytestmark = pytest.mark.integration

@@ -29,6 +29,8 @@ from proto import ProtoError
 from proto.data import decode_bulk_reply, encode_bulk_reply
 from tests.test_datashare import make_file, nodes, only
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 NAME = "train-00000.bin"
 
 

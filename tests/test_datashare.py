@@ -37,6 +37,8 @@ from proto.data import (
     name_problem,
 )
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 # ---- the schemas -------------------------------------------------------------------------------------------
 
 

@@ -16,6 +16,8 @@ from peers.auth import Identity
 from tests.test_export import make_run
 from tests.tools import run_main
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

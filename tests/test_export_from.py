@@ -20,12 +20,14 @@ import torch
 from dilocod.config import Config
 from dilocod.diloco.outer import global_sha256
 from dilocod.export.hf import from_llama
-from dilocod.processes import exportfrom
-from dilocod.processes.exportfrom import WATCH_SECONDS, _Download, agreement, named_params_shapes
+from dilocod.node import exportfrom
+from dilocod.node.exportfrom import WATCH_SECONDS, _Download, agreement, named_params_shapes
 from dilocod.trainer.model import ModelConfig
 from peers.group import DownloadedState
 from proto import encode_state_meta
 from tests.harness import REPO, Swarm, round_hashes
+
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
 
 SILENT_MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmXZWgfKCKPkfzqZkMNzi6SJrXcavDk9frk8d1NBhaQbjv"
 

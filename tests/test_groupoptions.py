@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dilocod.config import load_config
-from dilocod.processes.groupoptions import averaging_options
+from dilocod.node.groupoptions import averaging_options
 from peers.grouping import matchmaking_window
 
 

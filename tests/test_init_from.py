@@ -14,10 +14,13 @@ import torch
 from dilocod.diloco.outer import global_sha256
 from dilocod.export.export import write_model
 from dilocod.export.hf import WEIGHTS_FILE
-from dilocod.export.initial import file_sha256, load_init
+from dilocod.export.initial import load_init
+from dilocod.files import file_sha256
 from dilocod.trainer.model import ModelConfig, ModelSpec, Transformer, build_model
 from tests.harness import REPO, Proc, Swarm, wait_for
 from tests.tools import run_main
+
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
 
 TINY = str(REPO / "configs" / "tiny.toml")
 

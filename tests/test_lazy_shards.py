@@ -1,4 +1,4 @@
-"""A joiner's partial copy (dilocod/processes/shardfetch.py): which training shards a chunk needs, which
+"""A joiner's partial copy (dilocod/node/shardfetch.py): which training shards a chunk needs, which
 leases are ready, and random windows drawn only from the shards it holds."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dilocod.data.errors import DataError
 from dilocod.data.local import missing_train_shards, open_dataset
 from dilocod.data.schedule import Grant
 from dilocod.data.shards import TokenStream
+from dilocod.node.shardfetch import LazyShards, server_maddrs
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.shardfetch import LazyShards, server_maddrs
 from dilocod.trainer.data import PresentSampler
 
 

@@ -1,4 +1,4 @@
-"""Deadlines from the model and the link (`peers/linkbudget.py`, `dilocod/processes/deadlines.py`)."""
+"""Deadlines from the model and the link (`peers/linkbudget.py`, `dilocod/node/deadlines.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dilocod.config import load_config
-from dilocod.processes.deadlines import auto_keys, model_size, resolve_deadlines
+from dilocod.node.deadlines import auto_keys, model_size, resolve_deadlines
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.linkbudget import (

@@ -21,8 +21,8 @@ import torch
 from dilocod.data.cursor import ChunkCursor
 from dilocod.data.local import open_corpus, open_dataset
 from dilocod.data.schedule import Grant
+from dilocod.node.shardfetch import LazyShards
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.shardfetch import LazyShards
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, LocalGroupError, ModelConfig, TrainerConfig
 from dilocod.trainer.data import PresentSampler, ShardSampler
 from dilocod.trainer.local import params_sha256

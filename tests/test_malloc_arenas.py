@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.processes.memory import cap_malloc_arenas
+from dilocod.node.memory import cap_malloc_arenas
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import sys, threading
 if sys.argv[1] == "cap":
-    from dilocod.processes.memory import cap_malloc_arenas
+    from dilocod.node.memory import cap_malloc_arenas
     assert cap_malloc_arenas()
 barrier = threading.Barrier(6)
 def work():

@@ -17,7 +17,7 @@ from hivemind.p2p import P2P, PeerID
 from dilocod.config import load_config
 from dilocod.manifest.obtain import store
 from dilocod.manifest.record import issue
-from dilocod.processes.demo import free_port
+from dilocod.node.demo import free_port
 from peers.auth import Identity
 from tests.harness import FAST, REPO, Swarm, get_json, round_hashes, wait_for
 

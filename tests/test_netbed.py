@@ -19,6 +19,8 @@ import pytest
 import tests.netbed as nb
 from tests.netbed import NetBed, NetBedUnavailable, cleanup_stale, require_netns
 
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
+
 pytest_plugins = ["tests.conftest_netbed"]
 
 PY = [sys.executable, "-I", "-S"]  # stdlib only: skipping site-packages saves most of the startup

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from dilocod.processes.demo import free_port
+from dilocod.node.demo import free_port
 from peers.auth import Identity
 from peers.errors import PeersError
 from peers.node import Node, NodeOptions, retry_pause
+
+pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
 
 
 def test_retry_pauses_back_off_to_five_seconds() -> None:

@@ -15,9 +15,10 @@ import torch
 
 from dilocod.config import load_config
 from dilocod.diloco import OuterOptimizer
+from dilocod.node.deadlines import resolve_deadlines
+from dilocod.node.peer import round_settings
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.deadlines import resolve_deadlines
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
@@ -206,7 +207,7 @@ class Rig:
         parts = Parts(self.training, self.averaging, self.sync, self.view, self.publisher)
         clock = ClockSettings(target_tokens=500, reference_tokens=500, max_seconds=30, stale_after=10)
         self.driver = RoundDriver(
-            cfg, self.state, Metrics(), self.outer, pipeline, self.ledger, BanList(None), parts,
+            round_settings(cfg), self.state, Metrics(), self.outer, pipeline, self.ledger, BanList(None), parts,
             MachineSettings(overlapped=overlap != "none"), clock,
         )  # fmt: skip
 

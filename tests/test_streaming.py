@@ -20,7 +20,7 @@ import torch
 from dilocod.config import ConfigError, load_config
 from dilocod.diloco.fragments import fragment_of, mix, split_fragments
 from dilocod.diloco.outer import OuterConfig, OuterOptimizer
-from dilocod.processes.helper import parameter_shapes
+from dilocod.node.helper import parameter_shapes
 from dilocod.trainer.model import ModelConfig
 from peers.group import AveragingOptions, GroupAverager, RoundOutcome
 from peers.grouping import round_group_bits
@@ -122,6 +122,7 @@ def _ticket(step: int) -> bytes:
     return round_ticket(step, sum(torch.Size(s).numel() for s in SHAPES))
 
 
+@pytest.mark.integration
 def test_fragment_round_sends_only_the_fragment(trio: list[GroupAverager]) -> None:
     gen = torch.Generator().manual_seed(1)
     inputs = [[torch.randn(SHAPES[i], generator=gen) for i in FRAGMENT] for _ in trio]

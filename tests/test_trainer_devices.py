@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from dilocod.cli import _parser, join_overrides
+from dilocod.cli import _parser
+from dilocod.commands.join import join_overrides
 from dilocod.config import ConfigError, load_config
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dilocod.config import Config, load_config
-from dilocod.processes.netstart import peer_key
+from dilocod.node.netstart import peer_key
 
 REPO = Path(__file__).resolve().parent.parent.parent
 # hivemind's state averager wraps only a `torch.optim.Optimizer` (it asserts so), which dilocod's Muon pair

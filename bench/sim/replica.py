@@ -1,4 +1,4 @@
-"""One simulated peer, built from the daemon's own parts as `dilocod.processes.resume.build_trainer` builds
+"""One simulated peer, built from the daemon's own parts as `dilocod.node.resume.build_trainer` builds
 them: the trainer on the data shard of its identity, θ_global and the outer momentum, the round pipeline of
 the run's overlap mode, error feedback for the codecs that use it, and the token ledger that says how many
 tokens stand behind each contribution.
@@ -70,7 +70,7 @@ def synthetic_keys(count: int) -> list[str]:
 
 def identity_keys(paths: Sequence[Path]) -> list[str]:
     """The data-sharding key of each identity: a peer's run dir or its `identity.key` file."""
-    from dilocod.processes.netstart import peer_key
+    from dilocod.node.netstart import peer_key
 
     keys = []
     for path in paths:

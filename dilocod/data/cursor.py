@@ -2,7 +2,7 @@
 trained, and the parts it trained that no round ticket has named yet.
 
 The trainer thread takes training windows from it (`windows`); the event loop keeps it in step with the
-run's coordinator (`held` to report, `adopt` the answer; dilocod/processes/chunks.py) and drains the parts
+run's coordinator (`held` to report, `adopt` the answer; dilocod/node/chunks.py) and drains the parts
 trained into the token ledger, which puts them in round tickets (`drain`). A chunk's windows are `seq_len + 1`
 tokens starting every `seq_len` tokens, so every token of a chunk is a target once, trained in a seeded order
 (`_order`); an offset counts windows done × seq_len in that order, and a part [lo, hi) is the windows

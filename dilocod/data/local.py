@@ -7,7 +7,7 @@
   sha256 against the index the first time it opens the copy (a marker records what was verified, so a
   restart does not hash gigabytes again; a file whose size or time changed is hashed again).
 - A joining peer's copy may be *partial*: the index, the tokenizer and the eval split, and of the training
-  split only the shards of the chunks it trains (fetched as it needs them, dilocod/processes/shardfetch.py).
+  split only the shards of the chunks it trains (fetched as it needs them, dilocod/node/shardfetch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dilocod.data.shards import (
     verify_dataset,
 )
 from dilocod.data.tokenizer import BYTE, tokenizer_json
+from dilocod.files import fsync_dir
 
 VERIFIED_FILE = ".verified.json"
 
@@ -93,6 +94,7 @@ def _prepared_once(where: Path, make: object) -> Path:
         make(tmp)  # type: ignore[operator]
         try:
             os.rename(tmp, where)
+            fsync_dir(where.parent)
         except OSError:
             if not is_prepared(where):  # not another process's finished copy: a real failure
                 raise

@@ -35,10 +35,10 @@ from dilocod.data.shards import (
     index_object,
     parse_index,
     shard_dtype,
-    write_file_atomically,
 )
 from dilocod.data.sources import Document, check_sources, iter_documents
 from dilocod.data.tokenizer import eos_id, load_tokenizer, tokenizer_json
+from dilocod.files import atomic_write
 
 __all__ = ["eval_score", "prepare"]
 
@@ -171,7 +171,7 @@ def _run(job: _Job, state: dict[str, Any] | None) -> DatasetIndex:
 
 def _write_index(cfg: PrepareConfig, p: PreparePass) -> DatasetIndex:
     splits = {name: w.finish() for name, w in p.writers.items()}
-    write_file_atomically(cfg.out / TOKENIZER_FILE, [cfg.tokenizer_raw])
+    atomic_write(cfg.out / TOKENIZER_FILE, [cfg.tokenizer_raw])
     obj = index_object(
         tokenizer_sha256=hashlib.sha256(cfg.tokenizer_raw).hexdigest(),
         vocab_size=cfg.vocab_size,
@@ -182,7 +182,7 @@ def _write_index(cfg: PrepareConfig, p: PreparePass) -> DatasetIndex:
     )
     raw = index_bytes(obj)
     index = parse_index(raw, str(cfg.out / INDEX_FILE))  # what readers will check, checked before writing
-    write_file_atomically(cfg.out / INDEX_FILE, [raw])  # last: its presence means the dataset is complete
+    atomic_write(cfg.out / INDEX_FILE, [raw])  # last: its presence means the dataset is complete
     state = {"version": STATE_VERSION, "args": cfg.args_hash, "done": True, "index": index.hash}
     save_state(cfg.out, state)
     drop_remainders(cfg.out)

@@ -12,11 +12,10 @@ import numpy as np
 from dilocod.data.shards import (
     ShardInfo,
     SplitInfo,
-    file_sha256,
     shard_name,
-    write_file_atomically,
     write_shard,
 )
+from dilocod.files import atomic_write, file_sha256
 
 REMAINDER_PREFIX = ".prepare-"
 
@@ -84,7 +83,7 @@ class SplitWriter:
         ``generation``, so that the previous state's remainder survives until the new state is saved."""
         rem = self.remainder()
         path = self.cfg.out / f"{REMAINDER_PREFIX}{self.name}-{generation}.rem"
-        digest = write_file_atomically(path, [le_bytes(rem, self.cfg.dtype)])
+        digest = atomic_write(path, [le_bytes(rem, self.cfg.dtype)])
         return {
             "documents": self.documents,
             "tokens": self.tokens,

@@ -10,13 +10,14 @@ from typing import Any
 from dilocod.data.errors import DataError
 from dilocod.data.preppass import STATE_VERSION, PreparePass
 from dilocod.data.prepsplit import REMAINDER_PREFIX, PrepareConfig
-from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, load_index, write_file_atomically
+from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, load_index
+from dilocod.files import atomic_write
 
 STATE_FILE = ".prepare-state.json"
 
 
 def save_state(out: Path, state: dict[str, Any]) -> None:
-    write_file_atomically(out / STATE_FILE, [json.dumps(state, sort_keys=True).encode("utf-8")])
+    atomic_write(out / STATE_FILE, [json.dumps(state, sort_keys=True).encode("utf-8")])
 
 
 def save_pass(out: Path, p: PreparePass) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 from collections import OrderedDict
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dilocod.data.errors import DataError
+from dilocod.files import atomic_write, file_sha256
 
 FORMAT = "dilocod-dataset"
 VERSION = 1
@@ -268,32 +268,10 @@ def load_index(directory: Path) -> DatasetIndex:
 # ---------------------------------------------------------------- shard files
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _le(dtype: str) -> np.dtype[Any]:
     if dtype not in DTYPES:
         raise ValueError(f"shard dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return np.dtype(dtype).newbyteorder("<")
-
-
-def write_file_atomically(path: Path, parts: list[bytes | memoryview]) -> str:
-    """Write ``parts`` to ``path`` through a temporary file and a rename, synced; return the sha256 hex."""
-    h = hashlib.sha256()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-            h.update(part)
-        f.flush()
-        os.fsync(f.fileno())  # a resumed prepare trusts the shards it recorded: they must survive a crash
-    tmp.replace(path)
-    return h.hexdigest()
 
 
 def write_shard(path: Path, tokens: np.ndarray, dtype: str) -> ShardInfo:
@@ -301,7 +279,7 @@ def write_shard(path: Path, tokens: np.ndarray, dtype: str) -> ShardInfo:
     path = Path(path)
     data = np.ascontiguousarray(tokens, dtype=_le(dtype))
     header = _HEADER.pack(_MAGIC, _SHARD_VERSION, data.itemsize, data.size, 0)
-    digest = write_file_atomically(path, [header, data.data.cast("B")])
+    digest = atomic_write(path, [header, data.data.cast("B")])
     return ShardInfo(file=path.name, tokens=int(data.size), sha256=digest, bytes=HEADER_SIZE + data.nbytes)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dilocod.data.errors import DataError
+from dilocod.files import atomic_write
 
 BYTE = "byte"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -166,8 +167,5 @@ def train_bpe(sources: Sequence[Path], vocab_size: int, out: Path, *, text_field
             f"no text found in {names} to train a tokenizer on (only empty or binary files, or none)"
         )
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(tok.to_str(pretty=True), encoding="utf-8")
-    tmp.replace(out)
+    atomic_write(out, [tok.to_str(pretty=True).encode("utf-8")])
     return out

@@ -27,6 +27,7 @@ from dilocod.export.hf import WEIGHTS_FILE, to_llama
 from dilocod.export.hfexport import write_hf_model
 from dilocod.export.run import RunModel, read_run, run_tokenizer
 from dilocod.export.tokenizer import write_tokenizer
+from dilocod.files import fsync_dir
 from dilocod.trainer.lm import hf_config_sha256
 from dilocod.trainer.model import ModelSpec
 
@@ -59,6 +60,7 @@ def staged(out: Path) -> Iterator[Path]:
         if out.exists():
             out.rmdir()  # empty (check_out), and rename onto a directory is not portable
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

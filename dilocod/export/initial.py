@@ -12,7 +12,6 @@ sha256 of model.safetensors, so every peer starts from the same bytes, whoever s
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 
 import torch
@@ -29,18 +28,10 @@ from dilocod.export.hf import (
     read_config,
     spec_of_config,
 )
+from dilocod.files import file_sha256
 from dilocod.trainer.model import ModelSpec
 
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file's bytes, read in blocks: checkpoints can be gigabytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_init_dir(directory: Path, spec: ModelSpec, run_tokenizer: Path | None = None) -> str:

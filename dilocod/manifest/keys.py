@@ -46,10 +46,5 @@ LOCAL: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
-def run_wide_keys() -> list[str]:
-    """Every run-wide key as `section.key`, in a stable order."""
-    return [f"{section}.{key}" for section, keys in RUN_WIDE.items() for key in keys]
-
-
 def is_run_wide(section: str, key: str) -> bool:
     return key in RUN_WIDE.get(section, ())

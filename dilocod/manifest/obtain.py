@@ -15,22 +15,24 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dilocod.config import Config, ConfigError, config_from_raw
 from dilocod.data.shards import load_index
+from dilocod.files import atomic_write
 from dilocod.manifest.adopt import adopt, conflicts, trust_problem
 from dilocod.manifest.pindata import pin_dataset
 from dilocod.manifest.pinhf import check_local_hf_config, pin_hf_config
-from dilocod.manifest.pininit import pin_init
 from dilocod.manifest.record import Manifest, ManifestError, decode, differing_keys, issue, summary
 from peers.auth import Identity, ensure_identity
 from peers.errors import PeersError
 from peers.node import parse_multiaddr
 from peers.runinfo import Fetched, fetch_manifests
+
+PinWeights = Callable[[Config], Config]  # a config with its starting weights pinned
 
 log = logging.getLogger("dilocod.manifest")
 
@@ -65,11 +67,7 @@ def load_stored(run_dir: Path | None) -> Manifest | None:
 
 
 def store(run_dir: Path, manifest: Manifest) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / MANIFEST_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(manifest.encode())
-    os.replace(tmp, path)  # readers never see half a manifest
+    atomic_write(run_dir / MANIFEST_FILE, [manifest.encode()])  # readers never see half a manifest
 
 
 def peer_ids(initial_peers: Sequence[str]) -> list[str]:
@@ -110,10 +108,14 @@ def default_run_dir(run_id: str) -> Path:
 
 
 async def manifest_for_peer(
-    local_raw: dict[str, Any], run_dir: Path | None, initial_peers: Sequence[str], host: str
+    local_raw: dict[str, Any],
+    run_dir: Path | None,
+    initial_peers: Sequence[str],
+    host: str,
+    pin_weights: PinWeights,
 ) -> tuple[Joined, Path]:
     """The manifest and config a `dilocod join` runs with (see the module's docstring), and its run dir
-    (`run_dir`, or runs/<the run's id> once the manifest names the run)."""
+    (`run_dir`, or runs/<the run's id> once the manifest names the run). `pin_weights`: see `pin_run`."""
     local = config_from_raw(local_raw)  # this machine's own settings are checked before anything else
     stored = load_stored(run_dir or default_run_dir(local.run.id))
     if initial_peers:
@@ -125,7 +127,9 @@ async def manifest_for_peer(
             log.warning("%s; running with the manifest we stored (%s)", e, stored.hash[:12])
             manifest = stored
     else:
-        manifest = stored or issue(pin_run(local), _identity(run_dir or default_run_dir(local.run.id)))
+        manifest = stored or issue(
+            pin_run(local, pin_weights), _identity(run_dir or default_run_dir(local.run.id))
+        )
     final_dir = run_dir or default_run_dir(manifest.run_id)
     if final_dir != (run_dir or default_run_dir(local.run.id)):
         stored = load_stored(final_dir)
@@ -140,11 +144,12 @@ async def manifest_for_peer(
     return Joined(config, manifest), final_dir
 
 
-def pin_run(config: Config) -> Config:
+def pin_run(config: Config, pin_weights: PinWeights) -> Config:
     """A new run's config with its dataset, then its model's transformers config (if any) and its starting
-    weights pinned (hashes and content, not paths)."""
+    weights pinned (hashes and content, not paths). `pin_weights` checks the starting weights and pins
+    their hash (`dilocod/export/pininit.py`: reading a Hugging Face checkpoint is the export side's)."""
     config, directory = pin_dataset(config)
-    return pin_init(pin_hf_config(config, load_index(directory).vocab_size))
+    return pin_weights(pin_hf_config(config, load_index(directory).vocab_size))
 
 
 def _identity(run_dir: Path) -> Identity:
@@ -158,6 +163,7 @@ async def manifest_for_bootstrap(
     initial_peers: Sequence[str],
     identity_path: Path,
     host: str,
+    pin_weights: PinWeights,
 ) -> Joined:
     """The manifest a bootstrap serves: its stored one, a linked bootstrap's, or a new one of its config."""
     stored = load_stored(run_dir)
@@ -169,7 +175,7 @@ async def manifest_for_bootstrap(
         except PeersError as e:
             raise ManifestError(str(e)) from None
     else:
-        manifest = issue(pin_run(config_from_raw(local_raw)), ensure_identity(identity_path))
+        manifest = issue(pin_run(config_from_raw(local_raw), pin_weights), ensure_identity(identity_path))
     lines = conflicts(manifest, local_raw)
     if lines:
         where = f"the manifest in {run_dir}" if stored is not None else "the run's manifest"

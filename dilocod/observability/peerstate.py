@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,8 @@ class PeerState:
     rounds_failed: int = 0
     resyncs: int = 0
     rejected_contributions: int = 0  # contributions we refused (screened senders, implausible reducers)
-    bans: int = 0  # peers currently banned
-    banned: list[str] = field(default_factory=list)
+    # the peers we ban now: the ban list's own view (`BanList.peer_ids`), read as a record is built
+    banned_now: Callable[[], list[str]] = field(default=list, repr=False)
     bytes_sent: int = 0  # tensor payload bytes this peer sent (all-reduce), since it started
     bytes_received: int = 0  # ... and received (all-reduce and state downloads)
     last_round_seconds: float | None = None
@@ -164,8 +165,8 @@ class PeerState:
             "rounds_failed": self.rounds_failed,
             "resyncs": self.resyncs,
             "rejected_contributions": self.rejected_contributions,
-            "bans": self.bans,
-            "banned": list(self.banned),
+            "bans": len(banned := self.banned_now()),
+            "banned": banned,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "last_round_seconds": self.last_round_seconds,
@@ -199,7 +200,7 @@ class PeerState:
             "version": __version__,
             "maddrs": self.maddrs[:16],
             "rejected_contributions": self.rejected_contributions,
-            "bans": self.bans,
+            "bans": len(self.banned_now()),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "compute_utilization": self.compute_utilization(),

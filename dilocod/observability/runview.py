@@ -5,15 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
-from dilocod.manifest.book import ManifestBook
 from dilocod.observability.history import RunHistory
 from dilocod.observability.metrics import Metrics
 from peers.node import Node
 from proto import ProtoError, decode_status
 
 STATUS_KEY = "status"
+
+
+class ManifestDifferences(Protocol):
+    """What a view needs of the run's manifests (`dilocod.manifest.book.ManifestBook`, passed in: the
+    manifest package sits above this one)."""
+
+    async def differences(self, manifest_hash: str) -> tuple[str, ...]: ...
 
 
 async def read_run(
@@ -87,7 +93,7 @@ class NodeRunView:
         metrics: Metrics | None = None,
         max_age: float = 0.1,
         excluded: Callable[[], Collection[str]] = tuple,
-        manifests: ManifestBook | None = None,
+        manifests: ManifestDifferences | None = None,
     ) -> None:
         self.node, self.metrics, self.max_age, self.excluded = node, metrics, max_age, excluded
         self.manifests = manifests

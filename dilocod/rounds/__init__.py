@@ -9,5 +9,8 @@
   view, publisher); `driver.py` runs the machine through them, with `effects.py` (what a decision does),
   `exchange.py` (a round's averaging: ticket, group, outcome), `joining.py` (a re-sync announced to the
   run's clock), `timing.py` (the clock while training) and `observe.py` (reading the run for a decision).
-Nothing here imports the daemon (`dilocod.processes`).
+- `settings.py`: the few run settings these read (`RoundSettings`), built by the node from its config;
+- `phases.py`: where the seconds between two stretches of inner steps go; `helperclock.py`: the reducing
+  helper's view of the run's clock.
+Nothing here imports the node (`dilocod.node`) or the config: `make lint` checks it (docs/architecture.md).
 """

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
@@ -50,6 +49,7 @@ from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Averaging, Publisher, RunView, Scoring, StateSyncing, Training
+from dilocod.rounds.settings import RoundSettings
 from dilocod.rounds.timing import RoundTimer
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
@@ -85,7 +85,7 @@ class Parts:
 class RoundDriver:
     def __init__(
         self,
-        cfg: Config,
+        settings: RoundSettings,
         state: PeerState,
         metrics: Metrics,
         outer: OuterOptimizer,
@@ -97,29 +97,29 @@ class RoundDriver:
         clock_settings: clock.ClockSettings,
         adversary: Adversary | None = None,
     ) -> None:
-        self.cfg, self.state, self.metrics, self.outer = cfg, state, metrics, outer
+        self.settings, self.state, self.metrics, self.outer = settings, state, metrics, outer
         self.pipeline, self.tokens, self.bans, self.parts = pipeline, tokens, bans, parts
         self.machine, self.clock_settings = machine, clock_settings
         self.adversary = adversary
         self.context = RoundContext()
         self.effects = Effects(
-            cfg, state, metrics, outer, pipeline, tokens, self.context,
+            settings, state, metrics, outer, pipeline, tokens, self.context,
             training=parts.training, sync=parts.sync, publisher=parts.publisher, sample=parts.sample,
             scoring=parts.scoring,
         )  # fmt: skip
-        self.timer = RoundTimer(state, tokens, parts.view, clock_settings, cfg.net.status_interval)
+        self.timer = RoundTimer(state, tokens, parts.view, clock_settings, settings.status_interval)
         self.observer = RunObserver(
             state, outer, parts.view,
             previous=lambda: None if pipeline.previous is None else (pipeline.previous.step, pipeline.previous.sha256),
-            alone_after=ALONE_AFTER_TIMEOUTS * cfg.averaging.matchmaking_timeout,
+            alone_after=ALONE_AFTER_TIMEOUTS * settings.matchmaking_timeout,
             private=machine.private,
         )  # fmt: skip
         self.facts = self.observer.facts
         self.exchange = Exchange(
-            cfg, state, outer, pipeline, tokens, self.timer, bans,
+            settings, state, outer, pipeline, tokens, self.timer, bans,
             training=parts.training, averaging=parts.averaging, adversary=adversary, scoring=parts.scoring,
         )  # fmt: skip
-        self.joining = Joining(cfg.averaging, state, self.timer, parts.publisher, machine.overlapped)
+        self.joining = Joining(settings, state, self.timer, parts.publisher, machine.overlapped)
         self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
         self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState, RoundRecord
@@ -34,6 +33,7 @@ from dilocod.rounds.events import (
 from dilocod.rounds.phases import PhaseTimes
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Publisher, Scoring, StateSyncing, Training
+from dilocod.rounds.settings import RoundSettings
 from dilocod.rounds.tokens import TokenLedger
 from peers.group import RoundOutcome, incomplete_reason
 
@@ -58,7 +58,7 @@ class RoundContext:
 class Effects:
     def __init__(
         self,
-        cfg: Config,
+        settings: RoundSettings,
         state: PeerState,
         metrics: Metrics,
         outer: OuterOptimizer,
@@ -72,7 +72,7 @@ class Effects:
         sample: Callable[[], str] | None = None,
         scoring: Scoring | None = None,
     ) -> None:
-        self.cfg, self.state, self.metrics, self.outer = cfg, state, metrics, outer
+        self.settings, self.state, self.metrics, self.outer = settings, state, metrics, outer
         self.pipeline, self.tokens, self.context = pipeline, tokens, context
         self.training, self.sync, self.publisher = training, sync, publisher
         self.sample = sample
@@ -134,7 +134,7 @@ class Effects:
         run's prompt (each when it is due)."""
         with self.context.phases.timing("eval"):
             await self._eval()
-        every = self.cfg.trainer.sample_every
+        every = self.settings.sample_every
         if self.sample is not None and every > 0 and self.outer.step % every == 0:
             started = time.perf_counter()
             with self.context.phases.timing("sample"):
@@ -145,7 +145,7 @@ class Effects:
 
     async def _eval(self) -> None:
         step = self.outer.step
-        if step % self.cfg.trainer.eval_every:
+        if step % self.settings.eval_every:
             return
         self.state.eval_loss = await self.training.evaluate()
         self.metrics.eval_loss.set(self.state.eval_loss)
@@ -194,7 +194,7 @@ class Effects:
         sent, received = self._bytes()
         loss = self.state.loss if outcome in SUCCESS else None
         # A step due for evaluation gets its own eval loss once `evaluate` has it (None until then)
-        due = self.outer.step % self.cfg.trainer.eval_every == 0
+        due = self.outer.step % self.settings.eval_every == 0
         eval_loss = self.state.eval_loss if outcome in SUCCESS and not due else None
         entry = RoundRecord(
             self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,

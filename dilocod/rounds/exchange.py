@@ -7,13 +7,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from dilocod.config import Config
 from dilocod.diloco import OuterOptimizer
 from dilocod.observability.peerstate import PeerState
 from dilocod.rounds.effects import cancelled_quietly
 from dilocod.rounds.events import Attempt
 from dilocod.rounds.pipeline import Contribution, RoundPipeline
 from dilocod.rounds.ports import Averaging, Scoring, Training
+from dilocod.rounds.settings import RoundSettings
 from dilocod.rounds.timing import RoundTimer
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
@@ -42,7 +42,7 @@ class InFlight:
 class Exchange:
     def __init__(
         self,
-        cfg: Config,
+        settings: RoundSettings,
         state: PeerState,
         outer: OuterOptimizer,
         pipeline: RoundPipeline,
@@ -55,7 +55,7 @@ class Exchange:
         adversary: Adversary | None = None,
         scoring: Scoring | None = None,
     ) -> None:
-        self.cfg, self.state, self.outer, self.pipeline = cfg, state, outer, pipeline
+        self.settings, self.state, self.outer, self.pipeline = settings, state, outer, pipeline
         self.tokens, self.timer, self.bans, self.adversary = tokens, timer, bans, adversary
         self.scoring = scoring
         self.training, self.averaging = training, averaging
@@ -137,7 +137,7 @@ class Exchange:
 
     async def _run_leaves(self, task: asyncio.Task[RoundOutcome]) -> None:
         """Return once the run is past our round while we are still matchmaking (never during an exchange)."""
-        interval = min(1.0, self.cfg.net.status_interval)
+        interval = min(1.0, self.settings.status_interval)
         while not task.done():
             await asyncio.sleep(interval)
             if not self.averaging.in_allreduce and await self.timer.run_left(self.outer.step):

@@ -16,7 +16,7 @@ reducer trains nothing, so it takes both the moment and the key from the trainer
   matchmaking window can still meet them. Following the close with the round number as key (as without
   overlap) stayed one step off after any round that was not applied, and never met the trainers again.
 
-Pure functions of the decoded records and the time; `dilocod/processes/helper.py` performs them.
+Pure functions of the decoded records and the time; `dilocod/node/helper.py` performs them.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dilocod.config import AveragingConfig
 from dilocod.observability.peerstate import PeerState
 from dilocod.rounds import clock
 from dilocod.rounds.effects import published_quietly
 from dilocod.rounds.ports import Publisher
+from dilocod.rounds.settings import RoundSettings
 from dilocod.rounds.timing import RoundTimer
 from peers.grouping import matchmaking_window
 
@@ -20,7 +20,7 @@ class Joining:
 
     def __init__(
         self,
-        settings: AveragingConfig,
+        settings: RoundSettings,
         state: PeerState,
         timer: RoundTimer,
         publisher: Publisher,

@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dilocod.config import Config
-from dilocod.diloco import OuterOptimizer, global_sha256, keeps_progress, rebase
+from dilocod.diloco import OuterConfig, OuterOptimizer, global_sha256, keeps_progress, rebase
 from dilocod.statesync.ledger import (
     declared_lie,
     expected_hash,
@@ -55,6 +54,15 @@ Snapshot = tuple[bytes, list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
+class SyncSettings:
+    """What re-syncing reads of the run's settings (built from the config by the node that wires it)."""
+
+    status_interval: float  # net.status_interval: how often the records a state is checked against change
+    state_timeout: float  # averaging.state_timeout: how long a download may take
+    outer: OuterConfig  # whether an adoption keeps our progress not yet averaged (`rebase_on_resync`)
+
+
+@dataclass(frozen=True)
 class SyncResult:
     adopted: bool
     step: int  # our outer step afterwards
@@ -70,7 +78,7 @@ class StateSync:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: SyncSettings,
         outer: OuterOptimizer,
         trainer: InnerTrainer,
         group: GroupAverager,
@@ -84,7 +92,8 @@ class StateSync:
         count_bytes: Callable[[int, int], None],
         parts: PartsSource | None = None,
     ) -> None:
-        self.cfg, self.outer, self.trainer, self.group, self.adversary = cfg, outer, trainer, group, adversary
+        self.settings, self.outer, self.trainer, self.group = settings, outer, trainer, group
+        self.adversary = adversary
         self._in_trainer, self._records, self._punish = in_trainer, records, punish
         self._banned, self._on_adopted, self._count_bytes = banned, on_adopted, count_bytes
         self.parts = parts  # the download in parts from several donors (None: whole, from one donor)
@@ -200,7 +209,7 @@ class StateSync:
     ) -> tuple[DownloadedState | None, list[str], bool]:
         """(the state, the donors that declared it, whether a cut download is worth another try). In parts
         from several donors at once; whole from one donor when no donor serves parts."""
-        timeout = self.group.state_timeout(self.cfg.averaging.state_timeout)
+        timeout = self.group.state_timeout(self.settings.state_timeout)
         if self.parts is not None:
             fetched = await self.parts.fetch(await self.others(), tried, min_step, timeout)
             if fetched.liars:  # a part whose bytes miss the digest its donor declared: banned at once
@@ -228,7 +237,7 @@ class StateSync:
 
     async def _watch_records(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.net.status_interval)
+            await asyncio.sleep(self.settings.status_interval)
             await self.others()
 
     async def _hold_outvoted(self, outvoted: dict[str, bytes], tried: list[str]) -> None:
@@ -256,9 +265,9 @@ class StateSync:
     async def _judge_when_recorded(self, heads: dict[str, bytes]) -> None:
         """Punish the donors among `heads` whose declared θ_global the records contradict, as the records
         for their steps arrive (for as long as `_verify` waits for a downloaded state's)."""
-        deadline = time.monotonic() + RECORD_WAITS * self.cfg.net.status_interval
+        deadline = time.monotonic() + RECORD_WAITS * self.settings.status_interval
         while heads and time.monotonic() < deadline:
-            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.cfg.net.status_interval))
+            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.settings.status_interval))
             await self.others()
             liars = [
                 self._refuse(d, p) for d, b in heads.items() if (p := self._outvoted_lie(d, b)) is not None
@@ -301,7 +310,7 @@ class StateSync:
             return f"it is at outer step {step}, we need {min_step}", False
         # The donor's own record only counts when nobody else reports that step (a run of two cannot tell
         # who lies anyway). Records can lag a donor that just finished a round: wait a little for them.
-        deadline = time.monotonic() + RECORD_WAITS * self.cfg.net.status_interval
+        deadline = time.monotonic() + RECORD_WAITS * self.settings.status_interval
         while True:
             await self.others()
             agreed = expected_hash(self.seen, step, downloaded.donor)
@@ -309,7 +318,7 @@ class StateSync:
                 return served_verdict(self.seen, step, downloaded.donor, meta["global_sha256"], agreed)
             if time.monotonic() >= deadline:
                 break
-            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.cfg.net.status_interval))
+            await asyncio.sleep(min(RECORD_POLL_SECONDS, self.settings.status_interval))
         return f"no θ_global for outer step {step} is reported by more peers than any other", False
 
     def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
@@ -350,7 +359,7 @@ class StateSync:
 
     def adopt_in_trainer(self, step: int, tensors: list[torch.Tensor]) -> float | None:
         """Adopt a donor's θ_global and momentum; returns ‖Δ‖ of the progress kept, or None if dropped."""
-        keep = keeps_progress(self.cfg.outer, self.outer.step, step)
+        keep = keeps_progress(self.settings.outer, self.outer.step, step)
         local = self.trainer.working_params_fp32() if keep else None
         old_global = [p.clone() for p in self.outer.params] if keep else None
         self.outer.load_state(step, tensors)

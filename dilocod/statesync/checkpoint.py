@@ -14,7 +14,6 @@ import math
 import os
 import pickle
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,11 +22,13 @@ from typing import Any
 
 import torch
 
+from dilocod.files import atomic_file, temp_prefix
+
 FORMAT = "dilocod-checkpoint"
 VERSION = 1
 FILENAME = "checkpoint.pt"
 PREVIOUS = "checkpoint.prev.pt"
-TEMP_PREFIX = ".checkpoint-"
+TEMP_PREFIX = temp_prefix(Path(FILENAME))
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,12 @@ def save_checkpoint(
     """Write `state` so that a crash at any moment leaves either the old or the new file, never half.
     `serialized()` is called once the tensors have been read (before the slow fsync): from then on the
     caller may change them."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     target = checkpoint_path(run_dir)
-    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-            f.flush()
-            if serialized is not None:
-                serialized()
-            os.fsync(f.fileno())
-        if target.exists():
-            os.replace(target, run_dir / PREVIOUS)
-        os.replace(tmp_name, target)
-        _fsync_dir(run_dir)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with atomic_file(target, previous=run_dir / PREVIOUS) as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        f.flush()
+        if serialized is not None:
+            serialized()
     return target
 
 
@@ -191,16 +181,3 @@ def _move_aside(path: Path) -> Path:
         aside, n = path.with_name(f"{path.name}.bad-{int(time.time())}-{n}"), n + 1
     os.replace(path, aside)
     return aside
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -18,7 +18,7 @@ are taken in the model's own order, so the same config and seed give bit-identic
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -174,7 +174,3 @@ def hf_skeleton(config_json: str) -> HFCausalLM:
     config = parse_hf_config(config_json)
     with torch.device("meta"):
         return HFCausalLM(_construct(config))
-
-
-def hf_config_dict(model: HFCausalLM) -> dict[str, Any]:
-    return model.lm.config.to_dict()

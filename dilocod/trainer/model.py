@@ -36,7 +36,7 @@ class ModelConfig:
     # multiple of 64 (set by the node that starts the run, from its dataset); 0 = the preset's own (256).
     vocab_size: int = 0
     # Run-wide: sha256 of the starting weights' model.safetensors (a Hugging Face Llama checkpoint that the
-    # node starting the run read, `--init-from`); "" = the seed's random init. See dilocod/manifest/pininit.py.
+    # node starting the run read, `--init-from`); "" = the seed's random init. See dilocod/export/pininit.py.
     init: str = ""
     # Local: a Hugging Face Llama directory on this machine that holds those weights ("" = none: a peer
     # fetches them from the run into <run dir>/init).

@@ -10,10 +10,33 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from dilocod.config import AdversaryConfig
+ADVERSARY_MODES = (
+    "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
+    "inflate_tokens", "freeride", "copy_update", "wrong_data",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AdversaryConfig:
+    """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
+
+    # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
+    # inflate_tokens | freeride | copy_update | wrong_data: attack the run, for testing defences only
+    # (docs/trust.md)
+    mode: str = "none"
+    alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
+    stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
+
+    def validate(self) -> None:
+        if self.mode not in ADVERSARY_MODES:
+            raise ValueError(f"adversary.mode must be one of {', '.join(ADVERSARY_MODES)}, got '{self.mode}'")
+        if self.stale_rounds < 1:
+            raise ValueError(f"adversary.stale_rounds must be >= 1, got {self.stale_rounds}")
+
 
 ALIE_WINDOW = 10
 INFLATE_FACTOR = 10  # inflate_tokens: how much more than the truth it claims

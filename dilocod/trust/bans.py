@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dilocod.files import atomic_write
 
 log = logging.getLogger("dilocod.trust.bans")
 
@@ -57,11 +57,7 @@ class BanList:
     def _save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".bans-", dir=self.path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump([asdict(b) for b in self._bans.values()], f, indent=1)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, [json.dumps([asdict(b) for b in self._bans.values()], indent=1).encode()])
 
     def ban(self, peer_id: str, reason: str, seconds: float = DEFAULT_SECONDS) -> bool:
         """Ban (or extend the ban of) `peer_id`; True if it was not banned before."""

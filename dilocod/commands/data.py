@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from dilocod.commands.args import EXIT_INTERRUPTED, EXIT_USAGE
 
 
 def add_data_parser(sub: Any) -> None:
@@ -51,7 +51,7 @@ def run_data(args: argparse.Namespace) -> int:
         print(f"dilocod: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _tokenizer(args: argparse.Namespace) -> int:

@@ -25,8 +25,8 @@ from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import split_fragments
 from dilocod.export.errors import ExportError
 from dilocod.export.initial import load_init
+from dilocod.node.initweights import init_weights_file
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.initweights import init_weights_file
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.checkpoint import CheckpointError
 from dilocod.trainer import InnerTrainer

@@ -21,9 +21,9 @@ from pathlib import Path
 from dilocod.config import Config, ConfigError
 from dilocod.data.errors import DataError
 from dilocod.export.hf import WEIGHTS_FILE
-from dilocod.export.initial import file_sha256
+from dilocod.files import file_sha256
+from dilocod.node.dataset import dial_all
 from dilocod.observability.metrics import Metrics
-from dilocod.processes.dataset import dial_all
 from peers.databulk import BulkRoutes
 from peers.datafetch import fetch_file, remote_size
 from peers.datashare import DataFetchError

@@ -21,9 +21,9 @@ import torch
 from dilocod import __version__
 from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
+from dilocod.node.deadlines import resolve_deadlines
+from dilocod.node.groupoptions import averaging_options
 from dilocod.observability.runview import HELPERS_KEY, NodeRunView
-from dilocod.processes.deadlines import resolve_deadlines
-from dilocod.processes.groupoptions import averaging_options
 from dilocod.rounds import clock, helperclock
 from dilocod.trainer.lm import lm_skeleton
 from dilocod.trainer.model import ModelConfig

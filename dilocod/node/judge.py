@@ -48,7 +48,5 @@ class Judge:
             if self.bans.ban(peer, reason, self.ban_seconds):
                 self.metrics.bans.inc()
                 changed = True
-        self.state.bans = len(self.bans.active())
-        self.state.banned = self.bans.peer_ids()
         if changed:
             await asyncio.get_running_loop().run_in_executor(None, self._set_banned, self.bans.peer_ids())

@@ -4,7 +4,7 @@
 The node that starts the run checks the directory against the run's model (`dilocod/export/initial.py`) and
 writes the sha256 of its model.safetensors into the run-wide settings it signs (`model.init`), after the
 dataset is pinned, so the vocabulary it checks is the run's tokenizer's. Every peer's θ_global at outer
-step 0 is then those weights (`dilocod/processes/initweights.py` gets them to the peer).
+step 0 is then those weights (`dilocod/node/initweights.py` gets them to the peer).
 """
 
 from __future__ import annotations

@@ -24,28 +24,30 @@ from typing import Any
 from dilocod.config import Config
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
+from dilocod.node.averaging import PeerAveraging
+from dilocod.node.coreshare import CoreShare, machine_share
+from dilocod.node.datafeed import DataFeed
+from dilocod.node.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
+from dilocod.node.deadlines import resolve_deadlines
+from dilocod.node.initweights import ensure_init, served_init
+from dilocod.node.judge import Judge
+from dilocod.node.netstart import Network, peer_key, start_network
+from dilocod.node.publishing import CheckpointWriter, StatusPublisher
+from dilocod.node.resume import Resumed, build_trainer, checkpoint_payload
+from dilocod.node.scoring import ContributionScoring
+from dilocod.node.training import TrainerThread
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
-from dilocod.processes.averaging import PeerAveraging
-from dilocod.processes.coreshare import CoreShare, machine_share
-from dilocod.processes.datafeed import DataFeed
-from dilocod.processes.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
-from dilocod.processes.deadlines import resolve_deadlines
-from dilocod.processes.initweights import ensure_init, served_init
-from dilocod.processes.netstart import Network, peer_key, start_network
-from dilocod.processes.publishing import CheckpointWriter, StatusPublisher
-from dilocod.processes.resume import Resumed, build_trainer, checkpoint_payload
-from dilocod.processes.scoring import ContributionScoring
-from dilocod.processes.training import TrainerThread
 from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.driver import Parts, RoundDriver
 from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
-from dilocod.statesync.catchup import StateSync
+from dilocod.rounds.settings import RoundSettings
+from dilocod.statesync.catchup import StateSync, SyncSettings
 from dilocod.statesync.checkpoint import check_checkpoint, open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
@@ -53,7 +55,6 @@ from dilocod.trainer.lm import parameter_template
 from dilocod.trainer.sampling import run_sampler
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
-from dilocod.trust.judge import Judge
 from peers import heap
 from peers.datashare import DataServer
 from peers.linkbudget import MBIT
@@ -86,7 +87,7 @@ class PeerDaemon:
         self.stopping = asyncio.Event()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self.bans = BanList(args.run_dir)
-        self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()
+        self.state.banned_now = self.bans.peer_ids
         self.adversary = Adversary(self.cfg.adversary, self.cfg.run.seed)
         if self.adversary.active:
             log.warning(
@@ -208,7 +209,6 @@ class PeerDaemon:
             self.bans.ban,
             train=False,  # the training shards come as our chunks need them (`datafeed.py`)
         )
-        self.state.bans, self.state.banned = len(self.bans.active()), self.bans.peer_ids()  # liars met
         return cfg
 
     def _client_host(self) -> str:
@@ -245,7 +245,7 @@ class PeerDaemon:
         )  # fmt: skip
         view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
         self.sync = StateSync(
-            cfg, outer, trainer, network.group, self.adversary,
+            SyncSettings(cfg.net.status_interval, cfg.averaging.state_timeout, cfg.outer), outer, trainer, network.group, self.adversary,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
             banned=self.bans.peer_ids, on_adopted=pipeline.adopted, count_bytes=self._count_download,
             parts=parts_source,
@@ -300,7 +300,7 @@ class PeerDaemon:
             join_wait=cfg.averaging.state_timeout,
         )
         driver = RoundDriver(
-            cfg, self.state, self.metrics, outer, pipeline, resumed.tokens, self.bans, parts, machine, clock,
+            round_settings(cfg), self.state, self.metrics, outer, pipeline, resumed.tokens, self.bans, parts, machine, clock,
             self.adversary,
         )  # fmt: skip
         training.on_step = lambda: setattr(driver.timer, "seconds_per_step", training.seconds_per_step)
@@ -444,3 +444,17 @@ class PeerDaemon:
             return []
         records = await read_run(self.network.node, self.metrics, self.history)
         return flag_manifests(records, self.args.manifest.hash)
+
+
+def round_settings(cfg: Config) -> RoundSettings:
+    """What the round components read of the config (they never see the whole of it)."""
+    averaging = cfg.averaging
+    return RoundSettings(
+        status_interval=cfg.net.status_interval,
+        matchmaking_timeout=averaging.matchmaking_timeout,
+        min_matchmaking_time=averaging.min_matchmaking_time,
+        request_timeout=averaging.request_timeout,
+        state_timeout=averaging.state_timeout,
+        eval_every=cfg.trainer.eval_every,
+        sample_every=cfg.trainer.sample_every,
+    )

@@ -34,9 +34,9 @@ from dilocod.export.run import BYTE_VOCAB, RunModel, check_params, run_tokenizer
 from dilocod.manifest.adopt import adopt
 from dilocod.manifest.obtain import fetch
 from dilocod.manifest.record import Manifest
+from dilocod.node.deadlines import resolve_deadlines
+from dilocod.node.groupoptions import averaging_options
 from dilocod.observability.runview import read_run
-from dilocod.processes.deadlines import resolve_deadlines
-from dilocod.processes.groupoptions import averaging_options
 from dilocod.statesync.ledger import remember_hashes
 from dilocod.trainer.lm import lm_skeleton
 from dilocod.trainer.model import ModelConfig

@@ -1,7 +1,7 @@
 """The training shards a joiner fetches as its chunks need them, not the whole dataset up front.
 
 A peer that joins without a copy fetches the index, the tokenizer and the eval split before it builds its
-trainer (dilocod/processes/dataset.py), then, once the run's chunk schedule has leased it chunks, the shards
+trainer (dilocod/node/dataset.py), then, once the run's chunk schedule has leased it chunks, the shards
 those chunks lie in: the first lease's before the first step, the next ones in the background while it
 trains (it holds the chunk after next already, so a shard is usually there before it is needed). The
 trainer takes windows only from chunks whose shards are here (`ready`); when none is, it draws random
@@ -29,9 +29,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from dilocod.data.local import missing_train_shards
 from dilocod.data.schedule import Grant
 from dilocod.data.shards import DatasetIndex
+from dilocod.node.dataset import DIAL_SECONDS, Fetcher
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.dataset import DIAL_SECONDS, Fetcher
 from peers.runinfo import dial
 
 log = logging.getLogger("dilocod.data")

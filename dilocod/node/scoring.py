@@ -27,11 +27,11 @@ from torch import nn
 from dilocod.config import Config
 from dilocod.data.corpus import TokenSource
 from dilocod.data.cursor import part_windows
+from dilocod.node.runtime import one_core_here
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import read_run
 from dilocod.observability.scoreview import SCORES_KEY, published_verdicts, score_view
-from dilocod.processes.runtime import one_core_here
 from dilocod.trainer.data import batch_at
 from dilocod.trust.deltas import MAX_REQUEST, PROTOCOL, DeltaStore, fetch_delta
 from dilocod.trust.measure import Batch, measure, pick, random_starts

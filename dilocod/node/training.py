@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from dilocod.node.coreshare import RECHECK_SECONDS
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
-from dilocod.processes.coreshare import RECHECK_SECONDS
 from dilocod.rounds.tokens import Part, TokenLedger
 from dilocod.trainer import InnerTrainer, StepStats
 from peers import heap

@@ -17,15 +17,15 @@ from dilocod.config import Config
 from dilocod.data.local import open_dataset
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
+from dilocod.node.chunks import ChunkService, serve_no_schedule, start_service
+from dilocod.node.dataset import serve_dataset, served_status
+from dilocod.node.helper import AuxReducer
+from dilocod.node.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.runview import flag_manifests, newest_sample, read_run
 from dilocod.observability.scoreview import published_verdicts, score_view
-from dilocod.processes.chunks import ChunkService, serve_no_schedule, start_service
-from dilocod.processes.dataset import serve_dataset, served_status
-from dilocod.processes.helper import AuxReducer
-from dilocod.processes.runtime import STOP_GRACE_SECONDS, install_stop_signals
 from dilocod.trust.scoring import RatingRule
 from peers.datashare import DataServer
 from peers.errors import PeersError
@@ -33,7 +33,7 @@ from peers.node import Node, NodeOptions, first_public_maddrs
 from peers.reachability import free_ports
 from peers.relay import RELAY_IDENTITIES, RelayProcess, public_ipv4
 
-log = logging.getLogger("dilocod.processes.bootstrap")
+log = logging.getLogger("dilocod.node.bootstrap")
 
 REFRESH_SECONDS = 5.0
 

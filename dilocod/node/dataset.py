@@ -69,7 +69,7 @@ async def fetch_dataset(
 ) -> Config:
     """Download the run's dataset into `data.path` (or `<run dir>/data`) from `servers` (multiaddrs).
     Without `train`, only the index, the tokenizer and the eval split: a joiner fetches the training shards
-    its chunks need as it goes (dilocod/processes/shardfetch.py)."""
+    its chunks need as it goes (dilocod/node/shardfetch.py)."""
     dest = run_data_dir(cfg.data, run_dir)
     if dest is None:
         raise DataError(

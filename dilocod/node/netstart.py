@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from dilocod.config import Config
-from dilocod.processes.groupoptions import averaging_options
-from dilocod.processes.runtime import install_stop_signals
+from dilocod.node.groupoptions import averaging_options
+from dilocod.node.runtime import install_stop_signals
 from peers.auth import ensure_identity
 from peers.group import GroupAverager
 from peers.linkbudget import LinkRule

@@ -20,7 +20,7 @@ def averaging_options(
 ) -> AveragingOptions:
     """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
     `run_tag` is the run manifest's hash (only nodes of the same manifest meet); `link`: the auto
-    deadlines that follow the measured link (`dilocod.processes.deadlines.resolve_deadlines`)."""
+    deadlines that follow the measured link (`dilocod.node.deadlines.resolve_deadlines`)."""
     avg = cfg.averaging
     aux = mode == "aux"
     return AveragingOptions(

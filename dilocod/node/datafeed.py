@@ -1,5 +1,5 @@
-"""Where a peer's batches come from: the run's chunk schedule (dilocod/processes/chunks.py), and the training
-shards its chunks need when its copy of the dataset is partial (dilocod/processes/shardfetch.py).
+"""Where a peer's batches come from: the run's chunk schedule (dilocod/node/chunks.py), and the training
+shards its chunks need when its copy of the dataset is partial (dilocod/node/shardfetch.py).
 
 The peer that started the run coordinates the schedule itself; every other peer asks the coordinator it was
 given. Leases come before the first step (or the reason none do), and a partial copy has the shards of its
@@ -17,10 +17,7 @@ from dilocod.config import Config
 from dilocod.data.errors import DataError
 from dilocod.data.local import missing_train_shards
 from dilocod.data.shards import load_index
-from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
-from dilocod.observability.runview import read_run
-from dilocod.processes.chunks import (
+from dilocod.node.chunks import (
     ChunkService,
     ChunkSync,
     local_exchange,
@@ -28,10 +25,13 @@ from dilocod.processes.chunks import (
     serve_no_schedule,
     start_service,
 )
-from dilocod.processes.dataset import Fetcher
-from dilocod.processes.netstart import Network
-from dilocod.processes.resume import Resumed
-from dilocod.processes.shardfetch import LazyShards, server_maddrs, shard_fetcher
+from dilocod.node.dataset import Fetcher
+from dilocod.node.netstart import Network
+from dilocod.node.resume import Resumed
+from dilocod.node.shardfetch import LazyShards, server_maddrs, shard_fetcher
+from dilocod.observability.metrics import Metrics
+from dilocod.observability.peerstate import PeerState
+from dilocod.observability.runview import read_run
 from dilocod.trainer.data import PresentSampler
 
 

@@ -11,27 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"{value:g} is out of range 0..100")
-    return value
+from dilocod.commands.args import EXIT_INTERRUPTED, EXIT_USAGE, count, temperature
 
 
 def add_export_parsers(sub: Any) -> None:
@@ -59,9 +39,9 @@ def add_export_parsers(sub: Any) -> None:
     src.add_argument("--run-dir", type=Path, help="a peer's run directory (its θ_global)")
     src.add_argument("--model", type=Path, help="a model directory `dilocod export` wrote")
     gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=_count, default=64, help="default 64")
-    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=_count, default=50, help="0 = no cut (default 50)")
+    gen.add_argument("--max-new-tokens", type=count, default=64, help="default 64")
+    gen.add_argument("--temperature", type=temperature, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=count, default=50, help="0 = no cut (default 50)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--data-path", type=Path, help="with --run-dir: the run's dataset directory")
 
@@ -86,8 +66,8 @@ def run_export(args: argparse.Namespace) -> int:
 def _export_from(args: argparse.Namespace) -> Path:
     """`export --from`: a short-lived node of the swarm (hivemind and p2pd), its logs on stderr."""
     from dilocod.config import config_from_raw, read_raw
-    from dilocod.processes.exportfrom import export_from
-    from dilocod.processes.runtime import run_main, setup_logging
+    from dilocod.node.exportfrom import export_from
+    from dilocod.node.runtime import run_main, setup_logging
 
     local_raw = read_raw(args.config, args.overrides)
     config_from_raw(local_raw)  # this machine's own keys fail here, before the network
@@ -133,4 +113,4 @@ def _guarded(work: Any) -> int:
         print(f"dilocod: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

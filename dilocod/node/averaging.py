@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from dilocod.node.judge import Judge
 from dilocod.rounds.pipeline import Contribution
-from dilocod.trust.judge import Judge
 from peers.group import GroupAverager, RoundOutcome
 
 
