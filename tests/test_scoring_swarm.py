@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.attackrun import common_step, mean_eval, start_run
-from tests.harness import Proc, Swarm, get_json
+from tests.harness import Proc, Swarm, get_json, wait_for
 from tests.tools import CHROMIUM_ARGS, artifact, need_program, playwright
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
@@ -47,6 +47,11 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def _caught(honest: list[Proc], bad: str) -> bool:
     statuses = [p.status() for p in honest]
     return all(bad in st["scoring"]["gated"] or bad in st.get("banned", []) for st in statuses)
+
+
+def _one_theta(peers: list[Any]) -> bool:
+    """Whether `peers` report one outer step and one θ_global at it (read within a moment)."""
+    return len({(st["outer_step"], st["global_sha256"]) for st in (p.status() for p in peers)}) == 1
 
 
 def _assert_honest_never_gated(statuses: list[dict[str, Any]]) -> None:
@@ -79,9 +84,9 @@ def test_an_adversary_that_did_no_work_is_gated_and_honest_peers_are_not(
             _assert_honest_never_gated(statuses)
             shares = [st["contribution_share"] for st in statuses]
             assert adversary.status()["contribution_share"] < min(shares), (adversary.status(), shares)
-            hashes = {(st["outer_step"], st["global_sha256"]) for st in statuses}
-            steps = {h[0] for h in hashes}
-            assert len(hashes) == len(steps), hashes  # one θ_global per step among the honest
+            # Honest peers that banned the adversary at different moments can average apart for a round
+            # (docs/trust.md): the minority re-syncs to the majority's θ. They must end on one θ_global.
+            wait_for("the honest peers on one θ_global", lambda: _one_theta(honest), 60)
             step = common_step(statuses, clean, ROUNDS)
             loss, reference = mean_eval(statuses, step), mean_eval(clean, step)
             assert loss <= NOISE * reference, (

@@ -7,50 +7,44 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 EXIT_USAGE = 2
 EXIT_NETWORK = 1
 EXIT_INTERRUPTED = 130
 
-
-def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port {value} is out of range 0..65535")
-    return value
+N = TypeVar("N", int, float)
 
 
-def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
-    if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"{value:g} seconds is out of range 0.1..3600")
-    return value
+def _bounded(
+    kind: Callable[[str], N], what: str, fits: Callable[[N], bool], why_not: Callable[[N], str]
+) -> Callable[[str], N]:
+    """An argparse type: `text` read as `kind`, kept if it `fits`, else one line: what it is not, or why not."""
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+        if not fits(value):
+            raise argparse.ArgumentTypeError(why_not(value))
+        return value
+
+    return parse
 
 
-def count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"{value:g} is out of range 0..100")
-    return value
+port = _bounded(
+    int, "a port number", lambda v: 0 <= v <= 65535, lambda v: f"port {v} is out of range 0..65535"
+)
+seconds = _bounded(
+    float,
+    "a number of seconds",
+    lambda v: 0.1 <= v <= 3600,
+    lambda v: f"{v:g} seconds is out of range 0.1..3600",
+)
+count = _bounded(int, "a whole number", lambda v: v >= 0, lambda v: f"{v} is negative")
+temperature = _bounded(float, "a number", lambda v: 0 <= v <= 100, lambda v: f"{v:g} is out of range 0..100")
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
