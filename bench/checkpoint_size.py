@@ -29,7 +29,7 @@ from dilocod.config import load_config  # noqa: E402
 from dilocod.data.cursor import ChunkCursor  # noqa: E402
 from dilocod.diloco import OuterOptimizer  # noqa: E402
 from dilocod.node.resume import Resumed, checkpoint_payload  # noqa: E402
-from dilocod.observability.peerstate import PeerState  # noqa: E402
+from dilocod.observability.peerstate import RoundProgress  # noqa: E402
 from dilocod.rounds.tokens import TokenLedger  # noqa: E402
 from dilocod.statesync.checkpoint import save_checkpoint  # noqa: E402
 from dilocod.trainer import InnerTrainer  # noqa: E402
@@ -62,7 +62,7 @@ def measure(preset: str, directory: Path) -> dict[str, Any]:
     cfg, resumed = build(preset)
     params = sum(p.numel() for p in resumed.outer.params)
     started = time.perf_counter()
-    payload = checkpoint_payload(cfg, resumed, PeerState(run_id=cfg.run.id))
+    payload = checkpoint_payload(cfg, resumed, RoundProgress())
     taken = time.perf_counter() - started
     copied = tensor_bytes(payload["trainer"])  # the only part cloned: inner steps change it
     read_at: list[float] = []

@@ -12,7 +12,7 @@ from dilocod.data.local import missing_train_shards, open_dataset
 from dilocod.data.schedule import Grant
 from dilocod.data.shards import TokenStream
 from dilocod.node.shardfetch import LazyShards, server_maddrs
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import ShardProgress
 from dilocod.trainer.data import PresentSampler
 
 
@@ -21,7 +21,7 @@ def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial_datas
     with pytest.raises(DataError, match="missing"):
         open_dataset(partial_dataset)  # a full open still wants every file
     assert missing_train_shards(partial_dataset, index) == [1, 2]
-    lazy = LazyShards(partial_dataset, index, PeerState())
+    lazy = LazyShards(partial_dataset, index, ShardProgress())
     assert not lazy.complete and lazy.present == set(range(len(index.train.shards))) - {1, 2}
     assert list(lazy.shards_of(0, 4096)) == [0] and list(lazy.shards_of(4000, 4200)) == [0, 1]
     first, second = Grant(0, 0, 0, 4096, 0), Grant(0, 1, 4096, 8192, 0)
@@ -32,7 +32,7 @@ def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial_datas
 
 def test_random_windows_come_only_from_the_shards_held(partial_dataset: Path) -> None:
     index = open_dataset(partial_dataset, partial=True)
-    lazy = LazyShards(partial_dataset, index, PeerState())
+    lazy = LazyShards(partial_dataset, index, ShardProgress())
     stream = TokenStream(partial_dataset, index, "train")
     sampler = PresentSampler(stream, lazy.present_ranges, seed=1, peer_key="p", batch_size=16, seq_len=32)
     x, y = sampler.batch(0)  # would raise on a missing shard

@@ -22,7 +22,7 @@ from dilocod.data.cursor import ChunkCursor
 from dilocod.data.local import open_corpus, open_dataset
 from dilocod.data.schedule import Grant
 from dilocod.node.shardfetch import LazyShards
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import ShardProgress
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, LocalGroupError, ModelConfig, TrainerConfig
 from dilocod.trainer.data import PresentSampler, ShardSampler
 from dilocod.trainer.local import params_sha256
@@ -169,7 +169,7 @@ def test_a_worker_of_a_joiner_with_a_partial_copy_trains_on_what_rank_0_sends(
     random windows rank 0 draws for it from the shards this machine holds."""
     out = partial_dataset
     data = DataConfig(path=str(out))
-    lazy = LazyShards(out, open_dataset(out, partial=True), PeerState())
+    lazy = LazyShards(out, open_dataset(out, partial=True), ShardProgress())
     trainer = InnerTrainer(
         ModelConfig("tiny"), data, CFG, seed=0, peer_key="node", corpus=open_corpus(data, partial=True)
     )

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dilocod.observability import progress
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import NodeFacts, PeerState, Phase
 from dilocod.observability.progress import (
     CLEAR,
     Console,
@@ -27,10 +27,23 @@ class FakeTerminal(io.StringIO):
         return True
 
 
-def state(**fields: object) -> PeerState:
-    s = PeerState(peer_id="p", run_id="r")
+# where each field the progress line reads lives in the state's parts (observability/peerstate.py)
+PART_OF = {
+    "outer_step": ("rounds", "outer_step"), "eval_loss": ("rounds", "eval_loss"),
+    "round_closes_at": ("rounds", "round_closes_at"), "loss": ("inner", "loss"),
+    "tokens_per_second": ("inner", "tokens_per_second"), "peers_known": ("swarm", "peers_known"),
+    "round_steps": ("tokens", "round_steps"), "tokens_trained": ("tokens", "trained"),
+    "tokens_contributed": ("tokens", "contributed"),
+}  # fmt: skip
+
+
+def state(phase: str = "training", **fields: object) -> PeerState:
+    s = PeerState(NodeFacts(peer_id="p", run_id="r"))
+    s.facts.life = Phase.TRAINING if phase in ("training", "averaging", "syncing") else Phase(phase)
+    s.rounds.activity = Phase(phase) if phase in ("averaging", "syncing") else None
     for k, v in fields.items():
-        setattr(s, k, v)
+        part, name = PART_OF[k]
+        setattr(getattr(s, part), name, v)
     return s
 
 
@@ -85,7 +98,7 @@ def test_show_progress_on_a_terminal_quiets_info_then_restores_it(monkeypatch: p
         task = asyncio.create_task(show_progress(s, 5, term))
         await asyncio.sleep(0.1)
         assert handler.level == logging.WARNING
-        s.outer_step = 4
+        s.rounds.outer_step = 4
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -106,18 +119,18 @@ def test_no_progress_line_when_not_a_terminal() -> None:
 
 
 def test_compute_utilization_counts_inner_steps_over_wall_time_since_training_began() -> None:
-    s = PeerState(peer_id="p", run_id="r")
+    s = PeerState(NodeFacts(peer_id="p", run_id="r"))
     assert s.compute_utilization(now=100.0) == 0.0  # nothing trained yet (startup does not count)
-    s.training_began(10.0)
+    s.inner.training_began(10.0)
     assert s.compute_utilization(now=10.0) == 0.0
     assert s.compute_utilization(now=14.0) == 1.0  # the running stretch counts up to now
-    s.training_ended(16.0)  # 6 s of inner steps
+    s.inner.training_ended(16.0)  # 6 s of inner steps
     assert s.compute_utilization(now=16.0) == 1.0
     assert s.compute_utilization(now=18.0) == pytest.approx(6 / 8)  # averaging: the ratio falls
-    s.training_began(19.0)
+    s.inner.training_began(19.0)
     assert s.compute_utilization(now=21.0) == pytest.approx(8 / 11)
-    s.training_ended(21.0)
-    s.training_ended(25.0)  # an unmatched end changes nothing
+    s.inner.training_ended(21.0)
+    s.inner.training_ended(25.0)  # an unmatched end changes nothing
     assert s.compute_utilization(now=32.0) == pytest.approx(8 / 22)
     assert 0.0 < s.record()["compute_utilization"] <= 1.0  # monotonic clock: far past 32.0 here
     assert 0.0 <= s.status()["compute_utilization"] <= 1.0

@@ -18,12 +18,14 @@ from dilocod.diloco import OuterOptimizer
 from dilocod.node.deadlines import resolve_deadlines
 from dilocod.node.peer import round_settings
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import NodeFacts, PeerState
 from dilocod.rounds.clock import ClockSettings
-from dilocod.rounds.driver import Parts, RoundDriver
+from dilocod.rounds.core import RoundCore
+from dilocod.rounds.driver import RoundDriver
 from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.phases import PHASES
 from dilocod.rounds.pipeline import Contribution, PipelineSettings, RoundPipeline
+from dilocod.rounds.ports import Parts
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.catchup import SyncResult
 from dilocod.trainer import StepStats
@@ -49,7 +51,7 @@ class FakeTraining:
             await asyncio.sleep(0.01)
             self.trainer.working = [p - 0.01 for p in self.trainer.working]
             self.ledger.stepped(TOKENS_PER_STEP, 0.01)
-            self.state.tokens_per_second = TOKENS_PER_STEP / 0.01
+            self.state.inner.tokens_per_second = TOKENS_PER_STEP / 0.01
             taken += 1
             if taken > 1000:
                 raise AssertionError("the clock never closed the round")
@@ -187,10 +189,11 @@ class Rig:
                 ],
             )
         )
-        self.state = PeerState(peer_id="me", run_id=cfg.run.id)
+        self.state = PeerState(NodeFacts(peer_id="me", run_id=cfg.run.id))
         self.outer = OuterOptimizer([torch.ones(4), torch.zeros(3)], cfg.outer)
         self.trainer = FakeTrainer(self.outer.params)
         self.ledger = TokenLedger()
+        self.state.tokens = self.ledger
         pipeline = RoundPipeline(
             PipelineSettings(overlap=overlap),
             self.trainer,
@@ -206,10 +209,10 @@ class Rig:
         self.view, self.publisher = FakeView(), FakePublisher()
         parts = Parts(self.training, self.averaging, self.sync, self.view, self.publisher)
         clock = ClockSettings(target_tokens=500, reference_tokens=500, max_seconds=30, stale_after=10)
+        core = RoundCore(round_settings(cfg), self.state, Metrics(), self.outer, pipeline, self.ledger)
         self.driver = RoundDriver(
-            round_settings(cfg), self.state, Metrics(), self.outer, pipeline, self.ledger, BanList(None), parts,
-            MachineSettings(overlapped=overlap != "none"), clock,
-        )  # fmt: skip
+            core, parts, MachineSettings(overlapped=overlap != "none"), clock, BanList(None)
+        )
 
     def run_until(self, done: Callable[[], bool], timeout: float = 20.0) -> None:
         async def main() -> None:
@@ -224,7 +227,7 @@ class Rig:
         asyncio.run(main())
 
     def results(self) -> list[str]:
-        return [r.result for r in self.state.history]
+        return [r.result for r in self.state.rounds.history]
 
 
 def test_rounds_apply_the_group_average_and_count_our_tokens() -> None:
@@ -232,15 +235,15 @@ def test_rounds_apply_the_group_average_and_count_our_tokens() -> None:
     rig.view.others = [peer_record(0)]
     rig.run_until(lambda: rig.outer.step >= 2)
     assert rig.results()[:2] == ["ok", "ok"] and rig.outer.step >= 2
-    first = rig.state.history[0]
+    first = rig.state.rounds.history[0]
     assert first.tokens >= 500 and first.tokens_counted == 150.0  # the weight the group gave us
-    assert rig.state.tokens_contributed >= 300 and rig.state.contributing
+    assert rig.state.tokens.contributed >= 300 and rig.state.rounds.contributing
     assert rig.publisher.checkpoints >= 2 and rig.publisher.published >= 2 and rig.sync.shared >= 2
     # each outer step ran with our snapshot withdrawn (its old tensors freed as replaced), offered again after
     assert rig.sync.stepped_offering[:2] == [False, False] and rig.sync.offering
-    assert rig.state.round_opened > 0 and rig.state.round_closes_in() is not None
+    assert rig.state.rounds.round_opened > 0 and rig.state.round_closes_in() is not None
     # every applied step was evaluated into its own round's record (eval_every = 1 here)
-    assert [e.eval_loss for e in rig.state.history if e.result == "ok"][:2] == [1.0, 1.0]
+    assert [e.eval_loss for e in rig.state.rounds.history if e.result == "ok"][:2] == [1.0, 1.0]
 
 
 def test_a_peer_the_run_left_behind_re_syncs_at_the_close_and_keeps_its_tokens() -> None:
@@ -297,7 +300,7 @@ def test_no_group_keeps_the_progress_and_the_tokens_for_the_next_round() -> None
     rig.view.others = [peer_record(0)]
     rig.run_until(lambda: rig.outer.step >= 1)
     assert rig.results()[:2] == ["no_group", "ok"]
-    kept, applied = rig.state.history[0], rig.state.history[1]
+    kept, applied = rig.state.rounds.history[0], rig.state.rounds.history[1]
     assert applied.tokens > kept.tokens  # the second contribution carried the first round's tokens
 
 
@@ -305,7 +308,7 @@ def test_alone_when_nobody_is_alive() -> None:
     rig = Rig(script=[no_group])
     rig.driver.observer.others_seen_at = -1e9
     rig.run_until(lambda: rig.outer.step >= 1)
-    assert rig.results()[0] == "alone" and rig.state.alone
+    assert rig.results()[0] == "alone" and rig.state.rounds.alone
 
 
 def test_delayed_overlap_averages_while_the_next_round_trains() -> None:
@@ -340,7 +343,7 @@ def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_and_then_sends
     rig.run_until(lambda: rig.outer.step >= 9)
     assert rig.results()[:3] == ["resynced", "caught_up", "ok"], rig.results()
     # the donor's round was not ours: none of our tokens were in it
-    caught = rig.state.history[1]
+    caught = rig.state.rounds.history[1]
     assert caught.outer_step == 8 and caught.tokens == 0 and caught.tokens_counted == 0
     first, theta = sent[0]
     assert first.step == 8  # our first round is the run's next one, launched with everybody
@@ -348,7 +351,7 @@ def test_a_joiner_with_overlap_applies_the_donors_round_in_flight_and_then_sends
     assert all(torch.equal(t, a - p) for t, a, p in zip(theta, adopted, pending))
     # and that round sent every inner step we took, measured from the new θ_global, with their tokens
     steps = round(float(first.delta[0][0]) / 0.01)
-    assert steps >= 5 and rig.state.history[2].tokens == steps * TOKENS_PER_STEP
+    assert steps >= 5 and rig.state.rounds.history[2].tokens == steps * TOKENS_PER_STEP
     assert all(torch.allclose(d, torch.full_like(d, 0.01 * steps)) for d in first.delta)
 
 
@@ -415,9 +418,9 @@ def test_each_round_says_where_the_time_between_its_inner_steps_went(overlap: st
     rig = Rig(overlap=overlap, script=[timed, timed, timed])
     rig.averaging.seconds = 0.2
     rig.view.others = [peer_record(0)]
-    rig.run_until(lambda: rig.outer.step >= 2 and rig.state.history[1].phases is not None)
-    phases = rig.state.history[1].phases
-    assert phases is not None and rig.state.last_round_phases is not None
+    rig.run_until(lambda: rig.outer.step >= 2 and rig.state.rounds.history[1].phases is not None)
+    phases = rig.state.rounds.history[1].phases
+    assert phases is not None and rig.state.rounds.last_round_phases is not None
     assert {"close", "outer_step", "eval", "checkpoint", "publish"} <= set(phases)
     if overlap == "none":  # the trainer waited for the whole round: matchmaking, then the all-reduce
         assert phases["allreduce"] == pytest.approx(0.1)

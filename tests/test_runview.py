@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import NodeFacts, PeerState
 from dilocod.observability.runview import NodeRunView
 from proto import encode_status
 
@@ -24,7 +24,7 @@ class FakeNode:
 
 
 def record(peer_id: str, run_id: str = "run") -> bytes:
-    return encode_status(PeerState(peer_id=peer_id, run_id=run_id).record())
+    return encode_status(PeerState(NodeFacts(peer_id=peer_id, run_id=run_id)).record())
 
 
 def test_banned_peers_are_left_out_of_the_run_we_see() -> None:

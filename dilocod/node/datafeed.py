@@ -44,9 +44,11 @@ class DataFeed:
         metrics: Metrics,
         ban: Callable[[str, str], object],
         stopping: asyncio.Event,
+        fetching: Callable[[], None] = lambda: None,
     ) -> None:
         self.run_dir, self.initial_peers, self.state, self.metrics = run_dir, initial_peers, state, metrics
         self.ban, self.stopping = ban, stopping
+        self.fetching = fetching  # we fetch the shards of our first chunk before training (the phase shown)
         self.service: ChunkService | None = None  # when we started the run: we coordinate its chunks
         self.sync: ChunkSync | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -102,7 +104,7 @@ class DataFeed:
         if not self.partial_copy(cfg):
             return
         directory = Path(cfg.data.path)
-        lazy = LazyShards(directory, await asyncio.to_thread(load_index, directory), self.state)
+        lazy = LazyShards(directory, await asyncio.to_thread(load_index, directory), self.state.shards)
         p2p = await network.node.client_p2p()
 
         async def servers() -> list[str]:
@@ -110,13 +112,13 @@ class DataFeed:
             return server_maddrs(records, self.state.peer_id, self.initial_peers)
 
         async def fetcher() -> Fetcher | None:
-            return await shard_fetcher(p2p, directory, servers, self.state, self.metrics, self.ban)
+            return await shard_fetcher(p2p, directory, servers, self.state.dataset, self.metrics, self.ban)
 
         leases = resumed.cursor.leases()
         missing = [n for n in range(len(lazy.shards)) if n not in lazy.present]
         first = lazy.needed(leases[:1]) if leases else missing
         if first:
-            self.state.phase = "fetching data"
+            self.fetching()
             source = await fetcher()
             if source is None:
                 raise DataError(

@@ -29,7 +29,7 @@ from dilocod.data.local import find_local_copy, open_dataset, run_data_dir
 from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, ShardInfo, parse_index
 from dilocod.manifest.obtain import Joined
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import DataProgress
 from peers.databulk import BulkRoutes
 from peers.datafetch import FetchResult, fetch_file, remote_size
 from peers.datashare import DataFetchError, DataServer
@@ -61,7 +61,7 @@ async def fetch_dataset(
     run_dir: Path | None,
     servers: Sequence[str],
     host: str,
-    state: PeerState,
+    progress: DataProgress,
     metrics: Metrics,
     ban: Callable[[str, str], object],
     *,
@@ -81,7 +81,7 @@ async def fetch_dataset(
         peers = await dial_all(p2p, servers)
         if not peers:
             raise DataError(f"cannot fetch the run's dataset: none of {', '.join(servers)} answers")
-        fetcher = Fetcher(p2p, peers, dest, state, metrics, ban)
+        fetcher = Fetcher(p2p, peers, dest, progress, metrics, ban)
         await fetcher.run(cfg.data.dataset, train=train)
     finally:
         with contextlib.suppress(Exception):
@@ -109,12 +109,12 @@ class Fetcher:
         p2p: P2P,
         servers: list[PeerID],
         dest: Path,
-        state: PeerState,
+        progress: DataProgress,
         metrics: Metrics,
         ban: Callable[[str, str], object],
     ) -> None:
         self.p2p, self.servers, self.dest = p2p, servers, dest
-        self.state, self.metrics, self.ban = state, metrics, ban
+        self.progress, self.metrics, self.ban = progress, metrics, ban  # `progress`: ours alone to write
         self.routes = BulkRoutes(p2p)  # each server's HTTP path, when it has one we can reach
         self.done_bytes = self.total_bytes = 0
         self._last_log = 0.0
@@ -201,15 +201,15 @@ class Fetcher:
 
     def _held(self, base: int, held: int) -> None:
         done = base + held
-        if self.state.data_fetch is not None:
-            self.state.data_fetch["bytes_done"] = done
+        if self.progress.fetch is not None:
+            self.progress.fetch = {**self.progress.fetch, "bytes_done": done}
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_SECONDS:
             self._last_log = now
             log.info("fetching the run's dataset: %.1f of %.1f MB", done / 1e6, self.total_bytes / 1e6)
 
     def _progress(self, shards_done: int, shards_total: int) -> None:
-        self.state.data_fetch = {
+        self.progress.fetch = {
             "bytes_done": self.done_bytes,
             "bytes_total": self.total_bytes,
             "shards_done": shards_done,
@@ -229,8 +229,10 @@ async def bootstrap_dataset(joined: Joined, run_dir: Path | None, peers: Sequenc
                 "data.path at it, or give the address of a node that has it"
             )
         client_host = "::1" if ":" in host else "127.0.0.1"
-        state, metrics = PeerState(), Metrics()
-        cfg = await fetch_dataset(joined.config, run_dir, peers, client_host, state, metrics, lambda *_: None)
+        progress, metrics = DataProgress(), Metrics()
+        cfg = await fetch_dataset(
+            joined.config, run_dir, peers, client_host, progress, metrics, lambda *_: None
+        )
     return replace(joined, config=cfg)
 
 

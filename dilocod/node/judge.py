@@ -41,7 +41,7 @@ class Judge:
         caught = [(peer, reason) for peer, reason in caught if peer != self.state.peer_id]
         if not caught:
             return
-        self.state.rejected_contributions += len(caught)
+        self.state.trust.rejected_contributions += len(caught)
         self.metrics.rejected_contributions.inc(len(caught))
         changed = False
         for peer, reason in caught:

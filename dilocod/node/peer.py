@@ -39,13 +39,15 @@ from dilocod.node.training import TrainerThread
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import InnerProgress, NodeFacts, PeerState, Phase, RoundProgress
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
 from dilocod.rounds.clock import ClockSettings
-from dilocod.rounds.driver import Parts, RoundDriver
+from dilocod.rounds.core import RoundCore
+from dilocod.rounds.driver import RoundDriver
 from dilocod.rounds.machine import MachineSettings
 from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
+from dilocod.rounds.ports import Parts
 from dilocod.rounds.settings import RoundSettings
 from dilocod.statesync.catchup import StateSync, SyncSettings
 from dilocod.statesync.checkpoint import check_checkpoint, open_checkpoint
@@ -80,14 +82,17 @@ class PeerDaemon:
     def __init__(self, args: PeerArgs) -> None:
         self.args, self.cfg = args, args.config
         self.metrics = Metrics()
-        self.state = PeerState(run_id=self.cfg.run.id, manifest_hash=args.manifest.hash)
+        self.bans = BanList(args.run_dir)
+        # Put together here; each part has one writer (the parts' table in observability/peerstate.py):
+        # ours are `facts` and which parts the state holds (the trainer's and the rounds' once resumed).
+        self.state = PeerState(
+            NodeFacts(run_id=self.cfg.run.id, manifest_hash=args.manifest.hash), banned_now=self.bans.peer_ids
+        )
         self.manifests: ManifestBook | None = None
         # Read at every scrape, so it keeps moving while the peer averages or re-syncs.
         self.metrics.compute_utilization.set_function(self.state.compute_utilization)
         self.stopping = asyncio.Event()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
-        self.bans = BanList(args.run_dir)
-        self.state.banned_now = self.bans.peer_ids
         self.adversary = Adversary(self.cfg.adversary, self.cfg.run.seed)
         if self.adversary.active:
             log.warning(
@@ -105,8 +110,9 @@ class PeerDaemon:
         self.state_server: StateServer | None = None
         # Our batches from the run's chunk schedule, and the training shards they need.
         self.feed = DataFeed(
-            args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping
-        )
+            args.run_dir, args.initial_peers, self.state, self.metrics, self.bans.ban, self.stopping,
+            fetching=self._fetching_data,
+        )  # fmt: skip
         self._tasks: list[asyncio.Task[Any]] = []
         self.scoring: ContributionScoring | None = None  # with `scoring.enabled`
         self.cores: CoreShare | None = None  # our claim among the machine's CPU trainers (not on a GPU)
@@ -151,7 +157,7 @@ class PeerDaemon:
         self.cores = machine_share(self.cfg.trainer)
         threads = self.cores.threads() if self.cores is not None and self.cores.takes_a_share else 0
         build = functools.partial(
-            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, self.state, partial=partial,
+            build_trainer, self.cfg, key, checkpoint, self.args.run_dir, partial=partial,
             threads=threads,
         )  # fmt: skip
         del checkpoint, opened  # once restored, the checkpoint's tensors are garbage
@@ -160,7 +166,7 @@ class PeerDaemon:
         if [tuple(p.shape) for p in resumed.outer.params] != [tuple(t.shape) for t in template]:
             raise RuntimeError("the model's parameters do not have the shapes the averager was started with")
         self.resumed = resumed
-        self.state.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
+        self._show_resumed(resumed)
         window_map = self.adversary.windows(self.cfg.trainer.seq_len)
         if window_map is not None:
             resumed.trainer.window_map = window_map
@@ -184,12 +190,28 @@ class PeerDaemon:
         assert self.manifests is not None
         self._tasks.append(asyncio.create_task(self.manifests.keep_published(self.stopping)))
         self._tasks.append(asyncio.create_task(show_progress(self.state, self.cfg.trainer.inner_steps)))
-        self.state.phase = "training"
+        self.state.facts.life = Phase.TRAINING
         log.info(
             "peer %s joined run '%s' at outer step %d (inner step %d); listening on %s",
-            self.state.peer_id, self.cfg.run.id, self.state.outer_step, self.state.inner_step,
-            ", ".join(self.state.maddrs) or "(client mode)",
+            self.state.peer_id, self.cfg.run.id, self.state.rounds.outer_step, self.state.inner.inner_step,
+            ", ".join(self.state.facts.maddrs) or "(client mode)",
         )  # fmt: skip
+
+    def _show_resumed(self, resumed: Resumed) -> None:
+        """The state now holds the parts of what was resumed: the trainer's inner progress, the rounds'
+        progress (the checkpoint's counters) and the token ledger; their components write them from here."""
+        self.state.facts.eval_tokens_per_byte = resumed.trainer.corpus.eval_tokens_per_byte
+        self.state.inner = InnerProgress(inner_step=resumed.trainer.step, threads=resumed.threads)
+        counters = resumed.counters
+        self.state.rounds = RoundProgress(
+            outer_step=resumed.outer.step, global_sha256=resumed.outer.sha256,
+            rounds_ok=counters.get("rounds_ok", 0), rounds_failed=counters.get("rounds_failed", 0),
+            resyncs=counters.get("resyncs", 0),
+        )  # fmt: skip
+        self.state.tokens = resumed.tokens
+
+    def _fetching_data(self) -> None:
+        self.state.facts.life = Phase.FETCHING_DATA
 
     async def _dataset(self) -> Config:
         """Our config pointing at a verified copy of the run's dataset: on this machine, or fetched from the
@@ -198,13 +220,13 @@ class PeerDaemon:
         found = await local_dataset(self.cfg, args.run_dir, may_prepare=not args.initial_peers)
         if found is not None:
             return found
-        self.state.phase = "fetching data"
+        self._fetching_data()
         cfg = await fetch_dataset(
             self.cfg,
             args.run_dir,
             args.initial_peers,
             self._client_host(),
-            self.state,
+            self.state.dataset,
             self.metrics,
             self.bans.ban,
             train=False,  # the training shards come as our chunks need them (`datafeed.py`)
@@ -222,7 +244,7 @@ class PeerDaemon:
         )
 
         def on_status(progress: dict[str, Any]) -> None:
-            self.state.state_fetch = {**(self.state.state_fetch or {}), **progress}
+            self.state.facts.state_fetch = {**(self.state.facts.state_fetch or {}), **progress}
 
         return PartsSource(download, on_status)
 
@@ -231,7 +253,7 @@ class PeerDaemon:
     ) -> RoundDriver:
         """Hand every part of the round protocol what it needs (and nothing of the daemon)."""
         cfg, outer, trainer = self.cfg, resumed.outer, resumed.trainer
-        training = TrainerThread(trainer, self.pool, self.state, self.metrics, self.stopping)
+        training = TrainerThread(trainer, self.pool, self.state.inner, self.metrics, self.stopping)
         if self.cores is not None and self.cores.takes_a_share:
             training.threads = self.cores.threads
         training.tokens = resumed.tokens
@@ -253,7 +275,7 @@ class PeerDaemon:
         self.sync.share()
         self.checkpoints = CheckpointWriter(
             self.args.run_dir,
-            lambda: checkpoint_payload(cfg, resumed, self.state),
+            lambda: checkpoint_payload(cfg, resumed, self.state.rounds),
             training.run,
             self.metrics,
             every=cfg.checkpoint.every,
@@ -291,7 +313,7 @@ class PeerDaemon:
             checkpoint_every=fragments,
         )
         reference = cfg.trainer.inner_steps * cfg.trainer.batch_size * cfg.trainer.seq_len
-        self.state.reference_tokens = reference
+        self.state.facts.reference_tokens = reference
         clock = ClockSettings(
             target_tokens=cfg.round.tokens // fragments,
             reference_tokens=reference // fragments,
@@ -299,10 +321,8 @@ class PeerDaemon:
             stale_after=max(3 * cfg.net.status_interval, 3.0),
             join_wait=cfg.averaging.state_timeout,
         )
-        driver = RoundDriver(
-            round_settings(cfg), self.state, self.metrics, outer, pipeline, resumed.tokens, self.bans, parts, machine, clock,
-            self.adversary,
-        )  # fmt: skip
+        core = RoundCore(round_settings(cfg), self.state, self.metrics, outer, pipeline, resumed.tokens)
+        driver = RoundDriver(core, parts, machine, clock, self.bans, self.adversary)
         training.on_step = lambda: setattr(driver.timer, "seconds_per_step", training.seconds_per_step)
         return driver
 
@@ -315,14 +335,14 @@ class PeerDaemon:
                 for r in records
                 if r["peer_id"] != self.state.peer_id
                 and r["role"] == "peer"
-                and r.get("manifest_hash") == self.state.manifest_hash
+                and r.get("manifest_hash") == self.state.facts.manifest_hash
             ]
 
         return others
 
     def _count_download(self, sent: int, received: int) -> None:
-        self.state.bytes_sent += sent
-        self.state.bytes_received += received
+        self.state.facts.download_bytes_sent += sent
+        self.state.facts.download_bytes_received += received
         self.metrics.bytes_sent.inc(sent)
         self.metrics.bytes_received.inc(received)
 
@@ -335,14 +355,15 @@ class PeerDaemon:
     def _state_or_none(self) -> tuple[bytes, list[Any]] | None:
         """What a peer downloading our state in parts gets (peers/stateshare.py); None before we have one."""
         if self.state_server is not None:
-            self.state.state_served = self.state_server.status()
+            self.state.facts.state_served = self.state_server.status()
         return None if self.sync is None or self.sync.snapshot is None else self.sync.current()
 
     def _describe_network(self, network: Network) -> None:
-        self.state.peer_id = network.node.peer_id
-        self.state.maddrs = network.node.visible_maddrs(latest=True)
-        self.state.reachability = network.reachability
-        self.state.relayed = network.relayed
+        facts = self.state.facts
+        facts.peer_id = network.node.peer_id
+        facts.maddrs = network.node.visible_maddrs(latest=True)
+        facts.reachability = network.reachability
+        facts.relayed = network.relayed
         network.group.set_banned(self.bans.peer_ids())
 
     def _start_local_group(self) -> None:
@@ -358,7 +379,7 @@ class PeerDaemon:
                 ", ".join(str(d) for d in trainer.devices),
                 ", ".join(str(pid) for pid in self.local_group.pids),
             )
-        self.state.devices = trainer.world_size
+        self.state.facts.devices = trainer.world_size
 
     async def _start_http(self) -> None:
         if self.args.http_port is None:
@@ -371,7 +392,7 @@ class PeerDaemon:
         log.info("http: http://%s:%d/api/status", self.args.http_host, port)
 
     async def shutdown(self) -> None:
-        self.state.phase = "stopping"
+        self.state.facts.life = Phase.STOPPING
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -392,14 +413,18 @@ class PeerDaemon:
         if self.cores is not None:
             self.cores.close()
         if self.resumed is not None:  # a daemon that never started says nothing more than its error
-            log.info("stopped at outer step %d, inner step %d", self.state.outer_step, self.state.inner_step)
+            log.info(
+                "stopped at outer step %d, inner step %d",
+                self.state.rounds.outer_step,
+                self.state.inner.inner_step,
+            )
 
     async def _final_checkpoint(self) -> None:
         if self.resumed is None:  # never restored: never overwrite the checkpoint we could not read
             return
         writer = self.checkpoints or CheckpointWriter(
             self.args.run_dir,
-            lambda: checkpoint_payload(self.cfg, self.resumed, self.state),  # type: ignore[arg-type]
+            lambda: checkpoint_payload(self.cfg, self.resumed, self.state.rounds),  # type: ignore[arg-type]
             lambda fn: asyncio.get_running_loop().run_in_executor(self.pool, fn),
             self.metrics,
         )

@@ -137,9 +137,9 @@ class StatusPublisher:
                 others = [
                     r for r in records if r["peer_id"] != self.state.peer_id and r["role"] != "bootstrap"
                 ]
-                self.state.peers_known = len(others)
-                self.metrics.peers_known.set(self.state.peers_known)
-                self.state.dht_records = await self.node.dht_records()
+                self.state.swarm.peers_known = len(others)
+                self.metrics.peers_known.set(len(others))
+                self.state.swarm.dht_records = await self.node.dht_records()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the DHT being briefly unreachable must not stop the heartbeat

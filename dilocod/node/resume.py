@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,15 @@ from dilocod.diloco.fragments import split_fragments
 from dilocod.export.errors import ExportError
 from dilocod.export.initial import load_init
 from dilocod.node.initweights import init_weights_file
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import RoundProgress
 from dilocod.rounds.tokens import TokenLedger
 from dilocod.statesync.checkpoint import CheckpointError
 from dilocod.trainer import InnerTrainer
 from dilocod.trainer.lm import model_name
 
 log = logging.getLogger("dilocod.resume")
+
+COUNTERS = ("rounds_ok", "rounds_failed", "resyncs")  # the round progress a checkpoint keeps
 
 
 @dataclass
@@ -42,6 +44,8 @@ class Resumed:
     feedback: ErrorFeedback | None  # error-feedback residual (int4/int2 compression)
     tokens: TokenLedger
     cursor: ChunkCursor  # our place in the run's chunk schedule (leases and offsets)
+    threads: int = 0  # torch threads of the trainer thread
+    counters: dict[str, int] = field(default_factory=dict)  # rounds_ok, rounds_failed, resyncs (checkpoint)
 
 
 def build_trainer(
@@ -49,7 +53,6 @@ def build_trainer(
     peer_key: str,
     checkpoint: dict[str, Any] | None,
     run_dir: Path,
-    state: PeerState,
     *,
     partial: bool = False,
     threads: int = 0,
@@ -64,7 +67,6 @@ def build_trainer(
     trainer = InnerTrainer(
         cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key, corpus=corpus
     )
-    state.threads = torch.get_num_threads()  # this thread's: the trainer's
     if checkpoint is None and cfg.model.init:
         _start_from_init(cfg, trainer)
     outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
@@ -72,9 +74,10 @@ def build_trainer(
         outer.pin_memory()
     tokens = TokenLedger(fragments=_fragments(cfg, outer))
     cursor = ChunkCursor(cfg.trainer.seq_len, seed=cfg.data.dataset)
+    counters: dict[str, int] = {}
     if checkpoint is not None:
         try:
-            _restore(cfg, run_dir, checkpoint, trainer, outer, tokens, state)
+            counters = _restore(cfg, run_dir, checkpoint, trainer, outer, tokens)
             cursor.load_state_dict(checkpoint.get("chunks") or {})
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             reason = str(e).split("\n")[0]
@@ -82,10 +85,8 @@ def build_trainer(
                 f"checkpoint {run_dir / 'checkpoint.pt'} cannot be resumed: {reason}"
             ) from None
     feedback = _make_feedback(cfg, outer, checkpoint)
-    state.outer_step, state.inner_step = outer.step, trainer.step
-    state.global_sha256 = outer.sha256
-    state.tokens_trained, state.tokens_contributed = tokens.trained, tokens.contributed
-    return Resumed(trainer, outer, feedback, tokens, cursor)
+    # torch.get_num_threads(): this thread's, the trainer's
+    return Resumed(trainer, outer, feedback, tokens, cursor, torch.get_num_threads(), counters)
 
 
 def _start_from_init(cfg: Config, trainer: InnerTrainer) -> None:
@@ -114,8 +115,8 @@ def _restore(
     trainer: InnerTrainer,
     outer: OuterOptimizer,
     tokens: TokenLedger,
-    state: PeerState,
-) -> None:
+) -> dict[str, int]:
+    """Restores the trainer, θ_global and the ledger; returns the checkpoint's round counters."""
     saved_model = checkpoint.get("model", checkpoint.get("preset"))  # "model": a preset or an hf config
     if checkpoint.get("run_id") != cfg.run.id or saved_model != model_name(cfg.model):
         raise ValueError(
@@ -125,14 +126,13 @@ def _restore(
     saved = checkpoint["outer"]
     outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"]])
     trainer.load_state_dict(checkpoint["trainer"])
-    counters = checkpoint.get("counters", {})
-    state.rounds_ok = int(counters.get("rounds_ok", 0))
-    state.rounds_failed = int(counters.get("rounds_failed", 0))
-    state.resyncs = int(counters.get("resyncs", 0))
+    saved_counters = checkpoint.get("counters", {})
+    counters = {name: int(saved_counters.get(name, 0)) for name in COUNTERS}
     saved_tokens = checkpoint.get("tokens")
     if isinstance(saved_tokens, dict):
         tokens.load_state_dict(saved_tokens)
     log.info("resumed from checkpoint at outer step %d, inner step %d", outer.step, trainer.step)
+    return counters
 
 
 def _make_feedback(
@@ -153,7 +153,7 @@ def _make_feedback(
     return feedback
 
 
-def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[str, Any]:
+def checkpoint_payload(cfg: Config, resumed: Resumed, rounds: RoundProgress) -> dict[str, Any]:
     """Runs in the trainer thread. The trainer's state (working copy, inner optimizer moments) is copied:
     inner steps go on while the file is written. θ_global, the outer momentum and the error-feedback
     residual are not (a second copy of 8-12 bytes per parameter): the writer's `guard` holds back every
@@ -173,9 +173,5 @@ def checkpoint_payload(cfg: Config, resumed: Resumed, state: PeerState) -> dict[
         "error_feedback": None if resumed.feedback is None else {"residual": list(resumed.feedback.residual)},
         "tokens": resumed.tokens.state_dict(),
         "chunks": resumed.cursor.state_dict(),
-        "counters": {
-            "rounds_ok": state.rounds_ok,
-            "rounds_failed": state.rounds_failed,
-            "resyncs": state.resyncs,
-        },
+        "counters": {name: getattr(rounds, name) for name in COUNTERS},
     }

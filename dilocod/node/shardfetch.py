@@ -31,7 +31,7 @@ from dilocod.data.schedule import Grant
 from dilocod.data.shards import DatasetIndex
 from dilocod.node.dataset import DIAL_SECONDS, Fetcher
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import DataProgress, ShardProgress
 from peers.runinfo import dial
 
 log = logging.getLogger("dilocod.data")
@@ -42,8 +42,8 @@ POLL_SECONDS = 1.0  # how often the background fetch looks at the leases (and is
 class LazyShards:
     """Which training shards this copy holds, and fetching the ones its leases need."""
 
-    def __init__(self, directory: Path, index: DatasetIndex, state: PeerState) -> None:
-        self.directory, self.index, self.state = directory, index, state
+    def __init__(self, directory: Path, index: DatasetIndex, shown: ShardProgress) -> None:
+        self.directory, self.index, self.shown = directory, index, shown  # `shown`: ours alone to write
         self.shards = index.train.shards
         missing = set(missing_train_shards(directory, index))
         self.present = {n for n in range(len(self.shards)) if n not in missing}
@@ -111,16 +111,14 @@ class LazyShards:
                     await asyncio.wait_for(stopping.wait(), 5 * POLL_SECONDS)
 
     def _show(self) -> None:
-        shown = dict(self.state.data_fetch or {})
-        shown.update(train_shards_local=len(self.present), train_shards_total=len(self.shards))
-        self.state.data_fetch = shown
+        self.shown.local, self.shown.total = len(self.present), len(self.shards)
 
 
 async def shard_fetcher(
     p2p: P2P,
     directory: Path,
     servers: Callable[[], Awaitable[list[str]]],
-    state: PeerState,
+    progress: DataProgress,
     metrics: Metrics,
     ban: Callable[[str, str], object],
 ) -> Fetcher | None:
@@ -134,7 +132,7 @@ async def shard_fetcher(
     if not peers:
         log.warning("no peer of the run answers for the training shards of our chunks")
         return None
-    return Fetcher(p2p, peers, directory, state, metrics, ban)
+    return Fetcher(p2p, peers, directory, progress, metrics, ban)
 
 
 def server_maddrs(records: Sequence[dict[str, object]], own: str, given: Sequence[str]) -> list[str]:

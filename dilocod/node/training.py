@@ -19,7 +19,7 @@ import torch
 
 from dilocod.node.coreshare import RECHECK_SECONDS
 from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import InnerProgress
 from dilocod.rounds.tokens import Part, TokenLedger
 from dilocod.trainer import InnerTrainer, StepStats
 from peers import heap
@@ -37,11 +37,12 @@ class TrainerThread:
         self,
         trainer: InnerTrainer,
         pool: ThreadPoolExecutor,
-        state: PeerState,
+        inner: InnerProgress,
         metrics: Metrics,
         stopping: asyncio.Event,
     ) -> None:
-        self.trainer, self.pool, self.state, self.metrics = trainer, pool, state, metrics
+        # `inner` is ours alone to write: the status and the round clock read it
+        self.trainer, self.pool, self.inner, self.metrics = trainer, pool, inner, metrics
         self.stopping = stopping
         self.tokens: TokenLedger | None = None  # set once the ledger exists (it resumes from a checkpoint)
         self.seconds_per_step: float | None = None
@@ -87,14 +88,14 @@ class TrainerThread:
             self._follow_share(loop)
             return trainer.train_steps(1 << 62, should_stop=stop_now, on_step=stepped)
 
-        self.state.training_began(time.monotonic())  # compute utilization: time in inner steps
+        self.inner.training_began(time.monotonic())  # compute utilization: time in inner steps
         try:
             stats = await self.run(steps)
         finally:
-            self.state.training_ended(time.monotonic())
+            self.inner.training_ended(time.monotonic())
         if stats.steps:
             self.metrics.inner_step_seconds.observe(stats.seconds / stats.steps)
-            self.state.loss = stats.mean_loss  # the mean train loss of the round's steps
+            self.inner.loss = stats.mean_loss  # the mean train loss of the round's steps
         return stats
 
     def _follow_share(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -111,7 +112,10 @@ class TrainerThread:
                 running,
             )
             torch.set_num_threads(wanted)
-            loop.call_soon_threadsafe(setattr, self.state, "threads", wanted)
+            loop.call_soon_threadsafe(self._show_threads, wanted)
+
+    def _show_threads(self, threads: int) -> None:
+        self.inner.threads = threads
 
     def _drain_parts(self) -> list[Part]:
         cursor = self.trainer.cursor
@@ -120,8 +124,7 @@ class TrainerThread:
     def _count_step(self, step: int, loss: float, seconds: float, parts: list[Part]) -> None:
         """One inner step, on the event loop: counters, throughput, the token ledger."""
         tokens = self.trainer.tokens_per_step
-        self.state.inner_step = step
-        self.state.round_steps += 1
+        self.inner.inner_step = step
         self.metrics.inner_steps.inc()
         self.metrics.tokens.inc(tokens)
         if math.isfinite(loss):
@@ -130,20 +133,18 @@ class TrainerThread:
             self._throughput(tokens / seconds, seconds)
         if self.tokens is not None:
             self.tokens.stepped(tokens, seconds, parts)
-            self.state.tokens_trained = self.tokens.trained
-            self.state.round_tokens = self.tokens.round
         self.on_step()
 
     def _throughput(self, tokens_per_second: float, seconds: float) -> None:
-        old = self.state.tokens_per_second
+        old = self.inner.tokens_per_second
         tps = (
             tokens_per_second if old <= 0 else (1 - THROUGHPUT_EMA) * old + THROUGHPUT_EMA * tokens_per_second
         )
-        self.state.tokens_per_second = tps
+        self.inner.tokens_per_second = tps
         self.seconds_per_step = self.trainer.tokens_per_step / tps
         self.metrics.tokens_per_second.set(tps)
-        self.state.mfu = self.trainer.mfu(tps)
-        self.metrics.mfu.set(math.nan if self.state.mfu is None else self.state.mfu)
+        self.inner.mfu = self.trainer.mfu(tps)
+        self.metrics.mfu.set(math.nan if self.inner.mfu is None else self.inner.mfu)
 
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TextIO
 
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import PeerState, Phase
 
 REFRESH_SECONDS = 1.0
 CLEAR = "\r\x1b[K"  # back to column 0, erase to the end of the line
@@ -126,33 +126,35 @@ def duration(seconds: float) -> str:
 def progress_line(state: PeerState, inner_steps: int, seconds_per_step: float | None) -> str:
     """One line: outer step, inner steps this round, loss, tokens/s, when the run's clock closes the round
     (before it is known: H inner steps at our own pace), the share of our tokens that reached θ_global."""
-    loss = state.loss
+    loss = state.inner.loss
     parts = [
-        f"outer {state.outer_step}",
-        f"inner {state.round_steps}",
+        f"outer {state.rounds.outer_step}",
+        f"inner {state.tokens.round_steps}",
         f"loss {loss:.3f}" if isinstance(loss, float) and math.isfinite(loss) else "loss –",
     ]
-    if state.eval_loss is not None and math.isfinite(state.eval_loss):
-        parts.append(f"eval {state.eval_loss:.3f}")
-    parts.append(f"{state.tokens_per_second:,.0f} tok/s" if state.tokens_per_second else "– tok/s")
+    if state.rounds.eval_loss is not None and math.isfinite(state.rounds.eval_loss):
+        parts.append(f"eval {state.rounds.eval_loss:.3f}")
+    parts.append(
+        f"{state.inner.tokens_per_second:,.0f} tok/s" if state.inner.tokens_per_second else "– tok/s"
+    )
     closes_in = state.round_closes_in()
-    if state.phase == "averaging":
+    if state.phase is Phase.AVERAGING:
         parts.append("averaging now")
-    elif state.phase == "syncing":
+    elif state.phase is Phase.SYNCING:
         parts.append("downloading θ_global")
     elif closes_in is not None:
         parts.append(f"round closes in ~{duration(closes_in)}")
     elif seconds_per_step is not None:
         parts.append(
-            f"round closes in ~{duration(max(0, inner_steps - state.round_steps) * seconds_per_step)}"
+            f"round closes in ~{duration(max(0, inner_steps - state.tokens.round_steps) * seconds_per_step)}"
         )
     else:
         parts.append("round closes in –")
     share = state.contribution_share
     if share is not None:
         parts.append(f"share {share:.2f}")
-    parts.append(f"{state.peers_known} peer{'s' if state.peers_known != 1 else ''}")
-    parts.append(state.phase)
+    parts.append(f"{state.swarm.peers_known} peer{'s' if state.swarm.peers_known != 1 else ''}")
+    parts.append(state.phase.value)
     return " │ ".join(parts)
 
 
@@ -168,7 +170,7 @@ async def show_progress(state: PeerState, inner_steps: int, stream: TextIO | Non
     clock = StepClock()
     try:
         while True:
-            clock.observe(state.inner_step, time.monotonic(), state.phase == "training")
+            clock.observe(state.inner.inner_step, time.monotonic(), state.phase is Phase.TRAINING)
             console.show(progress_line(state, inner_steps, clock.seconds_per_step))
             await asyncio.sleep(REFRESH_SECONDS)
     finally:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from dilocod.diloco import OuterOptimizer
-from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState
+from dilocod.observability.peerstate import Phase
 from dilocod.rounds import clock
+from dilocod.rounds.core import RoundCore
 from dilocod.rounds.effects import Effects, RoundContext, cancelled_quietly, published_quietly
 from dilocod.rounds.events import (
     Action,
@@ -47,11 +45,9 @@ from dilocod.rounds.exchange import Exchange, InFlight, already, attempt
 from dilocod.rounds.joining import Joining
 from dilocod.rounds.machine import MachineSettings, RoundState, transition
 from dilocod.rounds.observe import RunObserver
-from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Averaging, Publisher, RunView, Scoring, StateSyncing, Training
-from dilocod.rounds.settings import RoundSettings
+from dilocod.rounds.pipeline import Contribution
+from dilocod.rounds.ports import Parts
 from dilocod.rounds.timing import RoundTimer
-from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from peers.group import RoundOutcome
@@ -68,62 +64,37 @@ EFFECT_PHASES: dict[type, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Parts:
-    """What the driver is handed."""
-
-    training: Training
-    averaging: Averaging
-    sync: StateSyncing
-    view: RunView
-    publisher: Publisher
-    # A greedy completion of the run's prompt from the model (run in the trainer thread); None: no samples.
-    sample: Callable[[], str] | None = None
-    scoring: Scoring | None = None  # contribution scoring (`scoring.enabled`)
-
-
 class RoundDriver:
     def __init__(
         self,
-        settings: RoundSettings,
-        state: PeerState,
-        metrics: Metrics,
-        outer: OuterOptimizer,
-        pipeline: RoundPipeline,
-        tokens: TokenLedger,
-        bans: BanList,
+        core: RoundCore,
         parts: Parts,
         machine: MachineSettings,
         clock_settings: clock.ClockSettings,
+        bans: BanList,
         adversary: Adversary | None = None,
     ) -> None:
-        self.settings, self.state, self.metrics, self.outer = settings, state, metrics, outer
-        self.pipeline, self.tokens, self.bans, self.parts = pipeline, tokens, bans, parts
-        self.machine, self.clock_settings = machine, clock_settings
-        self.adversary = adversary
+        self.core, self.parts, self.machine, self.clock_settings = core, parts, machine, clock_settings
+        self.settings, self.state, self.metrics = core.settings, core.state, core.metrics
+        self.outer, self.pipeline, self.tokens = core.outer, core.pipeline, core.tokens
         self.context = RoundContext()
-        self.effects = Effects(
-            settings, state, metrics, outer, pipeline, tokens, self.context,
-            training=parts.training, sync=parts.sync, publisher=parts.publisher, sample=parts.sample,
-            scoring=parts.scoring,
-        )  # fmt: skip
-        self.timer = RoundTimer(state, tokens, parts.view, clock_settings, settings.status_interval)
+        self.effects = effects = Effects(core, self.context, parts)
+        self.timer = RoundTimer(core, parts.view, clock_settings, on_estimate=effects.closes_at)
+        pipeline = core.pipeline
         self.observer = RunObserver(
-            state, outer, parts.view,
+            core.state, core.outer, parts.view,
             previous=lambda: None if pipeline.previous is None else (pipeline.previous.step, pipeline.previous.sha256),
-            alone_after=ALONE_AFTER_TIMEOUTS * settings.matchmaking_timeout,
+            alone_after=ALONE_AFTER_TIMEOUTS * core.settings.matchmaking_timeout,
             private=machine.private,
         )  # fmt: skip
         self.facts = self.observer.facts
-        self.exchange = Exchange(
-            settings, state, outer, pipeline, tokens, self.timer, bans,
-            training=parts.training, averaging=parts.averaging, adversary=adversary, scoring=parts.scoring,
-        )  # fmt: skip
-        self.joining = Joining(settings, state, self.timer, parts.publisher, machine.overlapped)
+        self.exchange = Exchange(core, self.timer, parts, bans, adversary)
+        self.joining = Joining(
+            core, self.timer, parts.publisher, machine.overlapped, announced=effects.joining
+        )
         self._in_flight: InFlight | None = None
         self._outlasted = 0  # rounds in a row that outlasted the next one's training (overlap)
         self._reopen: tuple[float | None] | None = None  # (when the run opened it,) of the round we open next
-        self._phased: object = None  # the round record that got the last tally of phases
 
     # ---- the loop ------------------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
@@ -136,8 +107,7 @@ class RoundDriver:
             # Our record names our round from here on, not a round we are joining (set only while a
             # state downloads). Both change together: a heartbeat between them would show neither, and
             # the run would stop waiting for us before we are in its round.
-            self.state.round = mstate.round
-            self.state.joining = self.state.joining_since = None
+            self.effects.entered(mstate.round)
             if self._reopen is not None:  # a new round opens for us: its number and its clock change together
                 self.effects.open_round(self._reopen[0])
                 self._reopen = None
@@ -182,7 +152,7 @@ class RoundDriver:
 
     # ---- training until the run's clock closes the round ----------------------------------------------------
     async def _train(self, hold: bool) -> Event:
-        self.state.phase = "training"
+        self.effects.doing(Phase.TRAINING)
         self._close_phases()
         timer = self.timer
         timer.reset(hold)
@@ -198,7 +168,7 @@ class RoundDriver:
             return Stopping()
         log.debug(
             "round %d closed for us at %.2f (clock said %.2f%s): %d of our tokens, group target %d",
-            self.state.round, time.time(), timer.close_at, "; the run left it" if timer.left_behind else "",
+            self.state.rounds.round, time.time(), timer.close_at, "; the run left it" if timer.left_behind else "",
             self.tokens.round, timer.group_target,
         )  # fmt: skip
         return Closed(await self.facts())
@@ -214,10 +184,7 @@ class RoundDriver:
         phases = self.context.phases.close()
         if not phases:
             return
-        self.state.last_round_phases = phases
-        latest = self.state.history[-1] if self.state.history else None
-        if latest is not None and latest is not self._phased:  # a round was recorded in that gap
-            latest.phases, self._phased = phases, latest
+        self.effects.phases_closed(phases)
         for phase, seconds in phases.items():
             self.metrics.round_phase_seconds.labels(phase=phase).observe(seconds)
 
@@ -227,7 +194,7 @@ class RoundDriver:
 
     # ---- averaging -----------------------------------------------------------------------------------------
     async def _average_now(self) -> Event:
-        self.state.phase = "averaging"
+        self.effects.doing(Phase.AVERAGING)
         phases = self.context.phases
         with phases.timing("close"):
             round_ = await self.exchange.start()
@@ -251,7 +218,7 @@ class RoundDriver:
         round_, self._in_flight = self._in_flight, None
         waited = not round_.task.done()
         if waited:
-            self.state.phase = "averaging"  # the network is slower than a round of inner steps
+            self.effects.doing(Phase.AVERAGING)  # the network is slower than a round of inner steps
         with self.context.phases.timing("waiting"):
             outcome = await self.exchange.unless_stopped(round_.task, self._stopping)
         if outcome is None:
@@ -294,7 +261,7 @@ class RoundDriver:
     async def _settle(self, round_: InFlight, outcome: RoundOutcome) -> Event:
         self.context.contribution, self.context.outcome = round_.contribution, outcome
         self.context.sent_tokens = round_.tokens
-        self._count_bytes(outcome.bytes_sent, outcome.bytes_received)
+        self.effects.exchanged(outcome.bytes_sent, outcome.bytes_received)
         if attempt(outcome).succeeded:
             self.joining.synced_short = False
             self.timer.last_group = outcome.group_size
@@ -304,15 +271,9 @@ class RoundDriver:
             self._reopen = (None,)
         return Averaged(replace(attempt(outcome), adopted=round_.adopted), facts)
 
-    def _count_bytes(self, sent: int, received: int) -> None:
-        self.state.bytes_sent += sent
-        self.state.bytes_received += received
-        self.metrics.bytes_sent.inc(sent)
-        self.metrics.bytes_received.inc(received)
-
     # ---- re-syncing -----------------------------------------------------------------------------------------
     async def _download(self, min_step: int) -> Event:
-        self.state.phase = "syncing"
+        self.effects.doing(Phase.SYNCING)
         download = asyncio.create_task(self.parts.sync.catch_up(min_step, self.joining.announce))
         stop = asyncio.create_task(self._stopping.wait())
         await asyncio.wait({download, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -324,7 +285,7 @@ class RoundDriver:
         facts = await self.facts()
         if not result.adopted:
             self._reopen = (None,)
-            self.state.joining = self.state.joining_since = None
+            self.effects.joined()
             await published_quietly(self.parts.publisher)  # the run's clock stops waiting for us
             return Synced(False, self.outer.step, facts)
         dropped = self.tokens.resynced(result.kept_progress)

@@ -1,7 +1,9 @@
 """The effects of the round machine's decisions: apply, keep, step back, record, publish, checkpoint.
 
 Each effect is a few lines on the parts the daemon handed in (ports), the pipeline (tensors), the token
-ledger and the observable state; no decision is taken here.
+ledger and the observable state; no decision is taken here. This module is the one writer of the peer's
+round progress (`PeerState.rounds`): the driver, its clock and its joining say what changed through the
+methods at the end.
 """
 
 from __future__ import annotations
@@ -10,12 +12,10 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dilocod.diloco import OuterOptimizer
-from dilocod.observability.metrics import Metrics
-from dilocod.observability.peerstate import PeerState, RoundRecord
+from dilocod.observability.peerstate import Phase, RoundRecord
+from dilocod.rounds.core import RoundCore
 from dilocod.rounds.events import (
     SUCCESS,
     Apply,
@@ -31,10 +31,8 @@ from dilocod.rounds.events import (
     Warn,
 )
 from dilocod.rounds.phases import PhaseTimes
-from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Publisher, Scoring, StateSyncing, Training
-from dilocod.rounds.settings import RoundSettings
-from dilocod.rounds.tokens import TokenLedger
+from dilocod.rounds.pipeline import Contribution
+from dilocod.rounds.ports import Parts, Publisher
 from peers.group import RoundOutcome, incomplete_reason
 
 log = logging.getLogger("dilocod.rounds")
@@ -56,28 +54,16 @@ class RoundContext:
 
 
 class Effects:
-    def __init__(
-        self,
-        settings: RoundSettings,
-        state: PeerState,
-        metrics: Metrics,
-        outer: OuterOptimizer,
-        pipeline: RoundPipeline,
-        tokens: TokenLedger,
-        context: RoundContext,
-        *,
-        training: Training,
-        sync: StateSyncing,
-        publisher: Publisher,
-        sample: Callable[[], str] | None = None,
-        scoring: Scoring | None = None,
-    ) -> None:
-        self.settings, self.state, self.metrics, self.outer = settings, state, metrics, outer
-        self.pipeline, self.tokens, self.context = pipeline, tokens, context
-        self.training, self.sync, self.publisher = training, sync, publisher
-        self.sample = sample
-        self.scoring = scoring
+    def __init__(self, core: RoundCore, context: RoundContext, parts: Parts) -> None:
+        self.settings, self.state, self.metrics = core.settings, core.state, core.metrics
+        self.outer, self.pipeline, self.tokens = core.outer, core.pipeline, core.tokens
+        self.rounds = core.state.rounds  # ours alone to write; the rest of `state` we only read
+        self.context = context
+        self.training, self.sync, self.publisher = parts.training, parts.sync, parts.publisher
+        self.sample, self.scoring = parts.sample, parts.scoring
         self._contributed_reported = 0.0  # what the tokens-contributed counter holds
+        self._phased: RoundRecord | None = None  # the latest round record given its phases
+        self.new_global_shown()
 
     async def perform(self, effect: Effect) -> None:
         if isinstance(effect, Apply):
@@ -114,7 +100,7 @@ class Effects:
             else:
                 await self._apply_average(contribution, outcome)
         finally:
-            self.state.alone = alone
+            self.rounds.alone = alone
             self.new_global()
 
     async def _apply_average(self, contribution: Contribution, outcome: RoundOutcome | None) -> None:
@@ -138,25 +124,28 @@ class Effects:
         if self.sample is not None and every > 0 and self.outer.step % every == 0:
             started = time.perf_counter()
             with self.context.phases.timing("sample"):
-                self.state.sample = await self.training.run(self.sample)
-            self.state.sample_step = self.outer.step
-            log.info("outer step %d: sample %r (%.2fs)", self.outer.step, self.state.sample,
+                self.rounds.sample = await self.training.run(self.sample)
+            self.rounds.sample_step = self.outer.step
+            log.info("outer step %d: sample %r (%.2fs)", self.outer.step, self.rounds.sample,
                      time.perf_counter() - started)  # fmt: skip
 
     async def _eval(self) -> None:
         step = self.outer.step
         if step % self.settings.eval_every:
             return
-        self.state.eval_loss = await self.training.evaluate()
-        self.metrics.eval_loss.set(self.state.eval_loss)
+        self.rounds.eval_loss = await self.training.evaluate()
+        self.metrics.eval_loss.set(self.rounds.eval_loss)
         bits = self.state.eval_bits_per_byte
         if bits is not None:
             self.metrics.eval_bits_per_byte.set(bits)
-        entry = self.state.history[-1] if self.state.history else None
+        entry = self.rounds.history[-1] if self.rounds.history else None
         if entry is not None and entry.outer_step == step and entry.result in SUCCESS:
-            entry.eval_loss = self.state.eval_loss
+            entry.eval_loss = self.rounds.eval_loss
         log.info(
-            "outer step %d: eval loss %.4f (%.3f bits per byte)", step, self.state.eval_loss, bits or math.nan
+            "outer step %d: eval loss %.4f (%.3f bits per byte)",
+            step,
+            self.rounds.eval_loss,
+            bits or math.nan,
         )
 
     async def keep(self) -> None:
@@ -171,7 +160,7 @@ class Effects:
         previous = await self.training.run(self.pipeline.step_back)
         if previous is None:
             return
-        for entry in self.state.history:
+        for entry in self.rounds.history:
             if entry.outer_step == undone and entry.result in SUCCESS:
                 entry.result = Outcome.UNDONE.value
         self.new_global()
@@ -184,25 +173,28 @@ class Effects:
     def new_global(self) -> None:
         """θ_global changed: offer it to peers that re-sync, and show it."""
         self.sync.share()
-        self.state.outer_step = self.outer.step
-        self.state.global_sha256 = self.outer.sha256
+        self.new_global_shown()
+
+    def new_global_shown(self) -> None:
+        self.rounds.outer_step = self.outer.step
+        self.rounds.global_sha256 = self.outer.sha256
         self.metrics.outer_step.set(self.outer.step)
 
     # ---- what the run sees --------------------------------------------------------------------------------
     def record(self, effect: Record) -> None:
         outcome = effect.outcome
         sent, received = self._bytes()
-        loss = self.state.loss if outcome in SUCCESS else None
+        loss = self.state.inner.loss if outcome in SUCCESS else None
         # A step due for evaluation gets its own eval loss once `evaluate` has it (None until then)
         due = self.outer.step % self.settings.eval_every == 0
-        eval_loss = self.state.eval_loss if outcome in SUCCESS and not due else None
+        eval_loss = self.rounds.eval_loss if outcome in SUCCESS and not due else None
         entry = RoundRecord(
             self.outer.step, outcome.value, effect.group_size, round(effect.seconds, 3), self.outer.sha256,
             loss, eval_loss, sent, received,
             tokens=self.context.sent_tokens, tokens_counted=round(self.context.counted, 1),
             reason=self._failure(outcome, effect), allreduce_seconds=self._allreduce_seconds(),
         )  # fmt: skip
-        self.state.history.append(entry)
+        self.rounds.history.append(entry)
         self.metrics.rounds.labels(result=outcome.value).inc()
         self._count(outcome, effect)
         self._log(outcome, effect, entry)
@@ -226,16 +218,16 @@ class Effects:
 
     def _count(self, outcome: Outcome, effect: Record) -> None:
         if outcome in SUCCESS:
-            self.state.rounds_ok += 1
-            self.state.group_size = effect.group_size
-            self.state.last_round_seconds = effect.seconds
+            self.rounds.rounds_ok += 1
+            self.rounds.group_size = effect.group_size
+            self.rounds.last_round_seconds = effect.seconds
             self.metrics.group_size.set(effect.group_size)
             self.metrics.round_seconds.observe(effect.seconds)
         elif outcome in FAILURES:
-            self.state.rounds_failed += 1
+            self.rounds.rounds_failed += 1
         elif outcome is Outcome.RESYNCED:
-            self.state.resyncs += 1
-            self.state.alone = False
+            self.rounds.resyncs += 1
+            self.rounds.alone = False
             self.metrics.resyncs.inc()
 
     def _log(self, outcome: Outcome, effect: Record, entry: RoundRecord) -> None:
@@ -245,8 +237,8 @@ class Effects:
             log.info(
                 "outer step %d: ok, group of %d, %d of our tokens counted, loss %.4f, %.0f tokens/s, "
                 "round %.1fs (all-reduce %.1fs), θ %s",
-                step, effect.group_size, int(entry.tokens_counted), self.state.loss,
-                self.state.tokens_per_second, effect.seconds, allreduce, self.outer.sha256[:12],
+                step, effect.group_size, int(entry.tokens_counted), self.state.inner.loss,
+                self.state.inner.tokens_per_second, effect.seconds, allreduce, self.outer.sha256[:12],
             )  # fmt: skip
         elif outcome is Outcome.ALONE:
             log.info("alone in the run: applied our own pseudo-gradient (outer step %d)", step)
@@ -271,14 +263,11 @@ class Effects:
         return () if outcome is None else outcome.reducer_errors
 
     def contributing(self, reason: str | None) -> None:
-        self.state.contributing = reason is None
-        self.state.not_contributing_reason = reason
+        self.rounds.contributing = reason is None
+        self.rounds.not_contributing_reason = reason
 
     def sync_tokens(self) -> None:
-        """Copy the ledger's numbers to the observable state and metrics."""
-        self.state.tokens_trained = self.tokens.trained
-        self.state.tokens_contributed = self.tokens.contributed
-        self.state.round_tokens = self.tokens.round
+        """The ledger's numbers into the metrics (the status reads the ledger itself)."""
         gained = self.tokens.contributed - self._contributed_reported
         if gained > 0:  # a counter only moves up (a restart resumes the ledger, not the counter)
             self.metrics.tokens_contributed.inc(gained)
@@ -289,9 +278,45 @@ class Effects:
     def open_round(self, opened: float | None = None) -> None:
         """The run's clock starts timing a new round for us."""
         self.tokens.new_round()
-        self.state.round_opened = time.time() if opened is None else opened
-        self.state.round_steps = 0
-        self.state.round_tokens = 0
+        self.rounds.round_opened = time.time() if opened is None else opened
+
+    # ---- what the driver, its clock and its joining report --------------------------------------------------
+    def doing(self, activity: Phase) -> None:
+        """The driver trains, averages or downloads the run's state now (`/api/status` `phase`)."""
+        self.rounds.activity = activity
+
+    def entered(self, round_index: int) -> None:
+        """We train `round_index` now, with the state we hold."""
+        self.rounds.round = round_index
+        self.joined()
+
+    def joining(self, run_step: int) -> None:
+        """We download the run's state of `run_step` to train that round (the run's clock waits for us)."""
+        if self.rounds.joining != run_step:
+            self.rounds.joining, self.rounds.joining_since = run_step, time.time()
+
+    def joined(self) -> None:
+        """The download is over, adopted or not."""
+        self.rounds.joining = self.rounds.joining_since = None
+
+    def closes_at(self, at: float) -> None:
+        """The run's clock's latest estimate of when our round closes."""
+        self.rounds.round_closes_at = at
+
+    def phases_closed(self, phases: dict[str, float]) -> None:
+        """Inner steps start again: the gap since the last ones, by phase, is the last round's cost; it goes
+        with the round recorded in that gap (once)."""
+        self.rounds.last_round_phases = phases
+        latest = self.rounds.history[-1] if self.rounds.history else None
+        if latest is not None and latest is not self._phased:
+            latest.phases, self._phased = phases, latest
+
+    def exchanged(self, sent: int, received: int) -> None:
+        """Payload bytes of an all-reduce."""
+        self.rounds.bytes_sent += sent
+        self.rounds.bytes_received += received
+        self.metrics.bytes_sent.inc(sent)
+        self.metrics.bytes_received.inc(received)
 
 
 def contribution_empty(outcome: RoundOutcome) -> bool:

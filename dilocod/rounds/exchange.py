@@ -7,15 +7,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from dilocod.diloco import OuterOptimizer
-from dilocod.observability.peerstate import PeerState
+from dilocod.rounds.core import RoundCore
 from dilocod.rounds.effects import cancelled_quietly
 from dilocod.rounds.events import Attempt
-from dilocod.rounds.pipeline import Contribution, RoundPipeline
-from dilocod.rounds.ports import Averaging, Scoring, Training
-from dilocod.rounds.settings import RoundSettings
+from dilocod.rounds.pipeline import Contribution
+from dilocod.rounds.ports import Parts
 from dilocod.rounds.timing import RoundTimer
-from dilocod.rounds.tokens import TokenLedger
 from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
 from peers.group import RoundOutcome
@@ -42,23 +39,16 @@ class InFlight:
 class Exchange:
     def __init__(
         self,
-        settings: RoundSettings,
-        state: PeerState,
-        outer: OuterOptimizer,
-        pipeline: RoundPipeline,
-        tokens: TokenLedger,
+        core: RoundCore,
         timer: RoundTimer,
+        parts: Parts,
         bans: BanList,
-        *,
-        training: Training,
-        averaging: Averaging,
         adversary: Adversary | None = None,
-        scoring: Scoring | None = None,
     ) -> None:
-        self.settings, self.state, self.outer, self.pipeline = settings, state, outer, pipeline
-        self.tokens, self.timer, self.bans, self.adversary = tokens, timer, bans, adversary
-        self.scoring = scoring
-        self.training, self.averaging = training, averaging
+        self.settings, self.state, self.outer = core.settings, core.state, core.outer
+        self.pipeline, self.tokens = core.pipeline, core.tokens
+        self.timer, self.bans, self.adversary = timer, bans, adversary
+        self.training, self.averaging, self.scoring = parts.training, parts.averaging, parts.scoring
 
     async def start(self) -> InFlight:
         """Take our contribution from the trainer and ask the network for a group to average it in."""
@@ -73,7 +63,7 @@ class Exchange:
         return InFlight(contribution, tokens, asyncio.create_task(average))
 
     def ticket(self, step: int, tokens: int, seconds: float) -> bytes:
-        tokens_per_second = max(0.0, self.state.tokens_per_second)
+        tokens_per_second = max(0.0, self.state.inner.tokens_per_second)
         if self.adversary is not None:
             tokens, tokens_per_second = self.adversary.claim(tokens, tokens_per_second)
         return encode_ticket(
@@ -86,7 +76,7 @@ class Exchange:
                 "tokens": tokens,
                 "tokens_per_second": tokens_per_second,
                 "train_seconds": max(0.0, seconds),
-                "manifest_hash": self.state.manifest_hash or NO_MANIFEST,
+                "manifest_hash": self.state.facts.manifest_hash or NO_MANIFEST,
                 # The data behind the tokens (the latest parts, if a long run of failed rounds made more).
                 "chunks": [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part] or None,
             }

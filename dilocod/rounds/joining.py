@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
-from dilocod.observability.peerstate import PeerState
 from dilocod.rounds import clock
+from dilocod.rounds.core import RoundCore
 from dilocod.rounds.effects import published_quietly
 from dilocod.rounds.ports import Publisher
-from dilocod.rounds.settings import RoundSettings
 from dilocod.rounds.timing import RoundTimer
 from peers.grouping import matchmaking_window
 
@@ -20,14 +20,15 @@ class Joining:
 
     def __init__(
         self,
-        settings: RoundSettings,
-        state: PeerState,
+        core: RoundCore,
         timer: RoundTimer,
         publisher: Publisher,
         overlapped: bool,
+        announced: Callable[[int], None],
     ) -> None:
-        self.settings, self.state, self.timer = settings, state, timer
+        self.settings, self.state, self.timer = core.settings, core.state, timer
         self.publisher, self.overlapped = publisher, overlapped
+        self.announced = announced  # our status says we are joining that round (before it is published)
         # overlap: our last re-sync came without the run's round in flight, and no round has succeeded since
         self.synced_short = False
 
@@ -41,15 +42,14 @@ class Joining:
         waits for the run's round in flight to complete before downloading (`clock.in_flight_done_at`):
         it then applies that round at the run's next close, which the hold keeps open for the download.
         A first download goes at once: on a fast link it makes the window, and waiting would cost a round."""
-        if self.state.joining != run_step:
-            self.state.joining, self.state.joining_since = run_step, time.time()
+        self.announced(run_step)
         await published_quietly(self.publisher)
         if self.overlapped and self.synced_short:
             await self._until_in_flight_done(run_step)
 
     async def _until_in_flight_done(self, run_step: int) -> None:
         opened = await self.timer.run_opened(run_step + 1)  # the round the run trains while it averages
-        recent = [e.allreduce_seconds for e in list(self.state.history)[-8:] if e.result == "ok"]
+        recent = [e.allreduce_seconds for e in list(self.state.rounds.history)[-8:] if e.result == "ok"]
         cfg = self.settings
         window = matchmaking_window(
             cfg.min_matchmaking_time, self.timer.group_target, cfg.matchmaking_timeout, cfg.request_timeout

@@ -45,7 +45,11 @@ class RunObserver:
         if trainers(records, self.state.peer_id):
             self.others_seen_at = time.monotonic()
         us = Us(
-            self.state.peer_id, self.outer.step, self.outer.sha256, self.state.manifest_hash, self._previous()
+            self.state.peer_id,
+            self.outer.step,
+            self.outer.sha256,
+            self.state.facts.manifest_hash,
+            self._previous(),
         )
         reducers = await self._reducers(records) if self.private else 1
         seen = time.monotonic() - self.others_seen_at < self.alone_after

@@ -8,6 +8,7 @@ through `StateSyncing`, reads the run through `RunView` and publishes and checkp
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -112,3 +113,17 @@ class Scoring(Protocol):
     def gated_peers(self) -> list[str]:
         """Peers rated below the gate: our tickets list them with our bans."""
         ...
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The ports the daemon hands the round driver."""
+
+    training: Training
+    averaging: Averaging
+    sync: StateSyncing
+    view: RunView
+    publisher: Publisher
+    # A greedy completion of the run's prompt from the model (run in the trainer thread); None: no samples.
+    sample: Callable[[], str] | None = None
+    scoring: Scoring | None = None  # contribution scoring (`scoring.enabled`)

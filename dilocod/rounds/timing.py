@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
-from dilocod.observability.peerstate import PeerState
 from dilocod.rounds import clock
+from dilocod.rounds.core import RoundCore
 from dilocod.rounds.facts import past_round, same_manifest, trainers
 from dilocod.rounds.ports import RunView
-from dilocod.rounds.tokens import TokenLedger
 
 log = logging.getLogger("dilocod.rounds")
 
@@ -26,14 +26,14 @@ log = logging.getLogger("dilocod.rounds")
 class RoundTimer:
     def __init__(
         self,
-        state: PeerState,
-        tokens: TokenLedger,
+        core: RoundCore,
         view: RunView,
         settings: clock.ClockSettings,
-        status_interval: float,
+        on_estimate: Callable[[float], None] = lambda at: None,
     ) -> None:
-        self.state, self.tokens, self.view, self.settings = state, tokens, view, settings
-        self.status_interval = status_interval
+        self.state, self.tokens, self.view, self.settings = core.state, core.tokens, view, settings
+        self.status_interval = core.settings.status_interval
+        self.on_estimate = on_estimate  # each new estimate of the close (it goes to the peer's status)
         self.close_at = float("inf")  # read by the trainer thread
         self.left_behind = False  # the run is past our round: stop now
         self.hold = False  # train to the clock's close even if the run is past our round
@@ -65,17 +65,17 @@ class RoundTimer:
     async def estimate(self, step: int) -> clock.Close:
         now = time.time()
         records = await self.view.records()
-        round_index = self.state.round
-        ours = trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
+        round_index = self.state.rounds.round
+        ours = trainers(same_manifest(records, self.state.facts.manifest_hash), self.state.peer_id)
         others = [p for r in ours if (p := clock.progress_from_record(r))]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
         arriving = clock.in_round(others, round_index - 1, now, self.settings.stale_after)
         joiners = clock.joining_records(ours, round_index, now, self.settings.stale_after)
         own = clock.Progress(
-            self.state.peer_id, round_index, self.tokens.round, self.state.tokens_per_second, now,
-            self.state.round_opened or now, self.settings.reference_tokens,
+            self.state.peer_id, round_index, self.tokens.round, self.state.inner.tokens_per_second, now,
+            self.state.rounds.round_opened or now, self.settings.reference_tokens,
         )  # fmt: skip
-        opened = clock.round_opened([*live, own], fallback=self.state.round_opened or now)
+        opened = clock.round_opened([*live, own], fallback=self.state.rounds.round_opened or now)
         # A trainer whose record still shows the round before is about to join this one, and one that is
         # downloading the state to join it is awaited by the clock: the group waits for both (at most the
         # matchmaking window) rather than forming without them.
@@ -83,9 +83,11 @@ class RoundTimer:
         self.group_target = clock.group_target(expected, len(await self.view.helpers()), self.last_group)
         close = clock.estimate_close([*live, own], self.settings, now, opened, arriving, joiners)
         self.close_at = close.at
-        self.state.round_closes_at = close.at
+        self.on_estimate(close.at)
         behind = past_round(
-            trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id), round_index, step
+            trainers(same_manifest(records, self.state.facts.manifest_hash), self.state.peer_id),
+            round_index,
+            step,
         )
         if behind and not self.left_behind and not self.hold:
             self.left_behind = True
@@ -102,7 +104,7 @@ class RoundTimer:
         records = await self.view.records()
         others = [
             p
-            for r in trainers(same_manifest(records, self.state.manifest_hash), self.state.peer_id)
+            for r in trainers(same_manifest(records, self.state.facts.manifest_hash), self.state.peer_id)
             if (p := clock.progress_from_record(r))
         ]
         live = clock.in_round(others, round_index, now, self.settings.stale_after)
@@ -114,4 +116,4 @@ class RoundTimer:
             records = await self.view.records()
         except Exception:
             return False
-        return past_round(trainers(records, self.state.peer_id), self.state.round, step)
+        return past_round(trainers(records, self.state.peer_id), self.state.rounds.round, step)

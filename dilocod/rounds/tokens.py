@@ -42,6 +42,7 @@ class TokenLedger:
     trained: int = 0  # in total (survives restarts through the checkpoint)
     contributed: float = 0.0  # of those, reached θ_global in an applied round
     round: int = 0  # trained in the round the run's clock is timing
+    round_steps: int = 0  # inner steps behind `round`
     round_seconds: float = 0.0  # seconds of inner steps behind `round`
     pending: list[int] = field(default_factory=list)  # per fragment: behind progress not yet sent
     pending_seconds: list[float] = field(default_factory=list)
@@ -60,6 +61,7 @@ class TokenLedger:
     def stepped(self, tokens: int, seconds: float, parts: list[Part] | None = None) -> None:
         self.trained += tokens
         self.round += tokens
+        self.round_steps += 1
         self.round_seconds += seconds
         for f in range(self.fragments):
             self.pending[f] += tokens
@@ -70,6 +72,7 @@ class TokenLedger:
     def new_round(self) -> None:
         """The run's clock opened a round: count its tokens from zero."""
         self.round = 0
+        self.round_steps = 0
         self.round_seconds = 0.0
 
     # ---- a contribution's life ----------------------------------------------------------------------------
