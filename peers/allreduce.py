@@ -42,7 +42,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import attach_event_on_finished
 
-from peers.partreduce import BufferingReducer, PartCheck, PartReduce, own_share, weighted_mean
+from peers.partreduce import BufferingReducer, PartCheck, PartReduce, PartReply, own_share, weighted_mean
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,
@@ -72,7 +72,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         reduce_part: PartReduce | None = None,
         check_part: PartCheck | None = None,
         codec: PartCodec | None = None,
-        corrupt: bool = False,
+        reply_part: PartReply | None = None,
         **kwargs: object,
     ) -> None:
         if codec is not None:
@@ -105,7 +105,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.screened_senders: set[int] = set()
         self.check_part = check_part
         self.own_share = own_share(self.sender_weights, float(sender_weights.get(self.peer_id, 0.0)))
-        self.corrupt = corrupt  # adversary mode for tests: return garbage for the parts we reduce
+        self.reply_part = reply_part  # what we send back for a part we reduced (None: the part)
         self.rejected_reducers: set[PeerID] = set()
         # Why a reducer's averages never (all) arrived, by reducer: hivemind only logs this at debug level,
         # and "incomplete" alone does not tell a dead peer from a refused stream.
@@ -335,11 +335,13 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _reply(self, averaged: torch.Tensor, part_index: int) -> runtime_pb2.Tensor:
         """What we send back for one of our parts: the result's exact fp32 bytes, or its codec payload."""
+        if self.reply_part is not None:
+            averaged = self.reply_part(averaged)
+        elif self.codec is not None:  # the payload encoded as the part was reduced
+            return payload_message(self.tensor_part_reducer.payloads[part_index])  # type: ignore[attr-defined]
         if self.codec is None:
-            return _serialize_exact(_garbage_like(averaged) if self.corrupt else averaged)
-        if self.corrupt:
-            return payload_message(encode_or_empty(self.codec, _garbage_like(averaged)))
-        return payload_message(self.tensor_part_reducer.payloads[part_index])  # type: ignore[attr-defined]
+            return _serialize_exact(averaged)
+        return payload_message(encode_or_empty(self.codec, averaged))
 
 
 async def _until_sender_closes(stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:
@@ -373,8 +375,3 @@ def _deserialize_or_none(message: runtime_pb2.Tensor) -> torch.Tensor | None:
 def _serialize_exact(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     # NONE compression: fp32 bytes in, the same fp32 bytes out on every receiver.
     return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
-
-
-def _garbage_like(tensor: torch.Tensor) -> torch.Tensor:
-    """What a lying reducer (adversary mode `bad_reducer`) sends instead of the average."""
-    return torch.randn(tensor.shape) * 1000.0

@@ -40,7 +40,7 @@ from peers.auth import RunAuth
 from peers.deadlines import allreduce_cancelled_reason
 from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
-from peers.partreduce import PartCheck, PartReduce
+from peers.partreduce import PartCheck, PartReduce, PartReply
 from peers.statedonors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 
@@ -145,13 +145,13 @@ class RunAverager(StateDonors):
         reduce_part: PartReduce | None = None,
         check_part: PartCheck | None = None,
         codec: PartCodec | None = None,
-        corrupt_reductions: bool = False,
+        reply_part: PartReply | None = None,
         auth: RunAuth | None = None,
         max_reducers: int | None = None,
         **kwargs: Any,
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
-        self._reduce_part, self._check_part, self._corrupt = reduce_part, check_part, corrupt_reductions
+        self._reduce_part, self._check_part, self._reply_part = reduce_part, check_part, reply_part
         self._max_reducers = max_reducers
         self._codec = codec
         self._subset: list[int] | None = None  # which tensors the next round averages (None: all)
@@ -376,7 +376,7 @@ class RunAverager(StateDonors):
             reduce_part=self._reduce_part,
             check_part=self._check_part,
             codec=self._codec,
-            corrupt=self._corrupt,
+            reply_part=self._reply_part,
             **kwargs,
         )
         self._running_groups[group_info.group_id].set_result(runner)

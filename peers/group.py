@@ -19,7 +19,7 @@ from peers.forking import freeze_before_fork
 from peers.grouping import chunk_timeout, matchmaking_window, round_group_bits
 from peers.linkbudget import DEFAULT_RATE, LinkEstimate, LinkRule, allreduce_deadline, state_deadline
 from peers.node import Node, stop_child
-from peers.partreduce import PartCheck, PartReduce
+from peers.partreduce import PartCheck, PartReduce, PartReply
 from peers.shmem import release
 from peers.statedonors import StateProvider
 from peers.wirecodec import PartCodec
@@ -47,7 +47,9 @@ class AveragingOptions:
     # How parts travel: None sends exact fp32; a codec encodes every part and every average (and keys the
     # matchmaking by its name, so only peers with the same codec meet).
     codec: PartCodec | None = field(default=None, compare=False)
-    corrupt_reductions: bool = False  # adversary test mode: reduce dishonestly
+    reply_part: PartReply | None = field(
+        default=None, compare=False
+    )  # what we send back for a part we reduced
     run_tag: str | None = None  # keys matchmaking (the run manifest's hash): other tags never meet
     # Auto deadlines (peers/linkbudget.py): the model's size and which deadlines follow the measured link.
     link: LinkRule | None = field(default=None, compare=False)
@@ -162,7 +164,7 @@ class GroupAverager:
             reduce_part=opts.reduce_part,
             check_part=opts.check_part,
             codec=opts.codec,
-            corrupt_reductions=opts.corrupt_reductions,
+            reply_part=opts.reply_part,
             max_reducers=opts.max_reducers,
             auth=self.node.auth,  # members prove the run key; the leader and members check (peers/auth.py)
             declare_state_period=10,

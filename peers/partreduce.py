@@ -21,6 +21,9 @@ log = logging.getLogger("peers.partreduce")
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 """(stacked [n, d], weights [n] ≥ 0, the largest 1) → (reduced [d], indices of senders found faulty)."""
 PartCheck = Callable[[torch.Tensor, torch.Tensor, float], bool]
+# What a reducer sends back for a part it reduced, given the reduced part (None: the reduced part itself).
+# Honest nodes pass none: the reduced part goes back as it is.
+PartReply = Callable[[torch.Tensor], torch.Tensor]
 """(averaged part received from a reducer, our own input for that part, our weight over the senders'
 mean weight: 1 at equal weights, 0.1 if we carry a tenth of the typical tokens) → plausible?"""
 

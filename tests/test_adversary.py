@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from dilocod.trust.adversary import ALIE_WINDOW, Adversary, AdversaryConfig
+from dilocod.trust.adversary import ALIE_WINDOW, Adversary, AdversaryConfig, tampering_for
+from dilocod.trust.hooks import HONEST
 
 
 def honest_delta(seed: int) -> list[torch.Tensor]:
@@ -85,6 +88,48 @@ def test_bad_donor_claims_to_be_ahead_and_poisons_state() -> None:
 def test_only_bad_reducer_corrupts_reductions() -> None:
     assert adversary("bad_reducer").corrupt_reductions
     assert not adversary("sign_flip").corrupt_reductions
+    lie = adversary("bad_reducer").reply_part()
+    assert lie is not None and adversary("sign_flip").reply_part() is None
+    part = torch.ones(5)
+    assert lie(part).shape == part.shape and not torch.equal(lie(part), part)
+
+
+def test_an_honest_peers_hooks_hand_back_what_they_are_given() -> None:
+    honest = tampering_for(AdversaryConfig(), seed=1)
+    assert honest is HONEST and not honest.active and honest.checks_reducers
+    delta, params = honest_delta(1), honest_delta(2)
+    assert honest.sent(delta, None, params) is delta and honest.sent(delta, [0], params) is delta
+    assert honest.claimed(100, 5.0) == (100, 5.0)
+    assert honest.served_state(7, params) == (7, params)
+    assert honest.reply_part() is None and honest.training_windows(64) is None
+
+
+def test_a_fragments_lie_is_cut_from_a_lie_about_the_whole_model() -> None:
+    """Streaming overlap sends one fragment's parameters: the mode sees the whole model, zero-padded."""
+    params = honest_delta(3)
+    delta = honest_delta(4)
+    fragment = [delta[1]]
+    sent = adversary("scale").sent(fragment, [1], params)
+    assert [s.shape for s in sent] == [f.shape for f in fragment]
+    assert all(torch.allclose(s, f * 100.0) for s, f in zip(sent, fragment))
+    step, served = adversary("bad_donor").served_state(5, params)
+    assert step > 5 and not torch.equal(served[0], params[0])
+
+
+def test_adversary_modes_reach_the_daemon_through_the_hooks_only() -> None:
+    """Outside trust/, only the daemon that builds the hooks and the config that holds the mode import the
+    adversary; the networking layer names neither it nor its modes."""
+    root = Path(__file__).resolve().parents[1]
+    importers = set()
+    for path in (root / "dilocod").rglob("*.py"):
+        module = path.relative_to(root / "dilocod").as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "dilocod.trust.adversary":
+                importers.add(module)
+    assert importers - {"trust/adversary.py"} == {"node/peer.py", "config.py"}
+    for path in (root / "peers").rglob("*.py"):
+        text = path.read_text().lower()
+        assert "adversary" not in text and "corrupt" not in text, path
 
 
 def test_stale_rounds_must_be_positive() -> None:

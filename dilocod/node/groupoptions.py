@@ -7,6 +7,7 @@ from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
 from dilocod.config import Config
 from peers.group import AveragingOptions
 from peers.linkbudget import LinkRule
+from peers.partreduce import PartReply
 
 
 def averaging_options(
@@ -14,8 +15,8 @@ def averaging_options(
     mode: str,
     *,
     run_tag: str | None = None,
-    corrupt_reductions: bool = False,
     link: LinkRule | None = None,
+    reply_part: PartReply | None = None,
     check_reducers: bool = True,
 ) -> AveragingOptions:
     """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
@@ -50,7 +51,7 @@ def averaging_options(
         else make_part_check(avg.screening_config()),
         # The run's codec: every reducer decodes, reduces and re-encodes alike.
         codec=avg.wire_codec(),
-        corrupt_reductions=corrupt_reductions,
+        reply_part=reply_part,  # a test-only adversary's lie (trust/hooks.py); None for every honest node
         run_tag=run_tag,
         link=link,
     )

@@ -21,6 +21,7 @@ import torch
 from dilocod.config import Config
 from dilocod.node.groupoptions import averaging_options
 from dilocod.node.runtime import install_stop_signals
+from dilocod.trust.hooks import HONEST, Tampering
 from peers.auth import ensure_identity
 from peers.group import GroupAverager
 from peers.linkbudget import LinkRule
@@ -59,9 +60,8 @@ async def start_network(
     stopping: asyncio.Event,
     *,
     run_tag: str | None = None,
-    corrupt_reductions: bool = False,
     link: LinkRule | None = None,
-    check_reducers: bool = True,
+    tampering: Tampering = HONEST,
 ) -> Network:
     loop = asyncio.get_running_loop()
     net = cfg.net
@@ -99,9 +99,9 @@ async def start_network(
         cfg,
         "client" if client else "node",
         run_tag=run_tag,
-        corrupt_reductions=corrupt_reductions,
         link=link,
-        check_reducers=check_reducers,
+        reply_part=tampering.reply_part(),
+        check_reducers=tampering.checks_reducers,
     )
     group = GroupAverager(node, template, options, state_provider)
     # hivemind forks the averager from the calling thread and sets SIGINT to "ignore" there: it must be

@@ -55,7 +55,7 @@ from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
 from dilocod.trainer.lm import parameter_template
 from dilocod.trainer.sampling import run_sampler
-from dilocod.trust.adversary import Adversary
+from dilocod.trust.adversary import tampering_for
 from dilocod.trust.bans import BanList
 from peers import heap
 from peers.datashare import DataServer
@@ -93,10 +93,12 @@ class PeerDaemon:
         self.metrics.compute_utilization.set_function(self.state.compute_utilization)
         self.stopping = asyncio.Event()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
-        self.adversary = Adversary(self.cfg.adversary, self.cfg.run.seed)
-        if self.adversary.active:
+        # An adversary mode (tests of the defences) reaches the daemon only through these hooks.
+        self.tampering = tampering_for(self.cfg.adversary, self.cfg.run.seed)
+        if self.tampering.active:
             log.warning(
-                "ADVERSARY MODE '%s': this peer attacks the run (for testing defenses)", self.adversary.mode
+                "ADVERSARY MODE '%s': this peer attacks the run (for testing defenses)",
+                self.cfg.adversary.mode,
             )
         self.history = RunHistory()  # the run over time, for the dashboard (`/api/history`)
         self.resumed: Resumed | None = None
@@ -140,8 +142,8 @@ class PeerDaemon:
         template = parameter_template(self.cfg.model)
         self.network = await start_network(
             self.cfg, self.args.run_dir, self.args.initial_peers, template, self._serve_state,
-            self.stopping, run_tag=self.args.manifest.hash, corrupt_reductions=self.adversary.corrupt_reductions,
-            link=link, check_reducers=self.adversary.checks_reducers,
+            self.stopping, run_tag=self.args.manifest.hash, link=link,
+            tampering=self.tampering,
         )  # fmt: skip
         opened = await loop.run_in_executor(None, open_checkpoint, self.args.run_dir)
         for note in opened.notes:  # a killed write or a damaged file: said once, then we go on
@@ -167,7 +169,7 @@ class PeerDaemon:
             raise RuntimeError("the model's parameters do not have the shapes the averager was started with")
         self.resumed = resumed
         self._show_resumed(resumed)
-        window_map = self.adversary.windows(self.cfg.trainer.seq_len)
+        window_map = self.tampering.training_windows(self.cfg.trainer.seq_len)
         if window_map is not None:
             resumed.trainer.window_map = window_map
         self.manifests = ManifestBook(self.network.node, self.args.manifest)
@@ -263,11 +265,11 @@ class PeerDaemon:
         overlap = cfg.outer.overlap
         pipeline = RoundPipeline(
             PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, network.client and overlap == "none"),
-            trainer, outer, resumed.feedback, self.adversary, cfg.averaging.wire_codec(), release=heap.trim,
+            trainer, outer, resumed.feedback, self.tampering, cfg.averaging.wire_codec(), release=heap.trim,
         )  # fmt: skip
         view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
         self.sync = StateSync(
-            SyncSettings(cfg.net.status_interval, cfg.averaging.state_timeout, cfg.outer), outer, trainer, network.group, self.adversary,
+            SyncSettings(cfg.net.status_interval, cfg.averaging.state_timeout, cfg.outer), outer, trainer, network.group, self.tampering,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
             banned=self.bans.peer_ids, on_adopted=pipeline.adopted, count_bytes=self._count_download,
             parts=parts_source,
@@ -322,7 +324,7 @@ class PeerDaemon:
             join_wait=cfg.averaging.state_timeout,
         )
         core = RoundCore(round_settings(cfg), self.state, self.metrics, outer, pipeline, resumed.tokens)
-        driver = RoundDriver(core, parts, machine, clock, self.bans, self.adversary)
+        driver = RoundDriver(core, parts, machine, clock, self.bans, self.tampering)
         training.on_step = lambda: setattr(driver.timer, "seconds_per_step", training.seconds_per_step)
         return driver
 

@@ -48,8 +48,8 @@ from dilocod.rounds.observe import RunObserver
 from dilocod.rounds.pipeline import Contribution
 from dilocod.rounds.ports import Parts
 from dilocod.rounds.timing import RoundTimer
-from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
+from dilocod.trust.hooks import HONEST, Tampering
 from peers.group import RoundOutcome
 
 log = logging.getLogger("dilocod.rounds")
@@ -72,7 +72,7 @@ class RoundDriver:
         machine: MachineSettings,
         clock_settings: clock.ClockSettings,
         bans: BanList,
-        adversary: Adversary | None = None,
+        tampering: Tampering = HONEST,
     ) -> None:
         self.core, self.parts, self.machine, self.clock_settings = core, parts, machine, clock_settings
         self.settings, self.state, self.metrics = core.settings, core.state, core.metrics
@@ -88,7 +88,7 @@ class RoundDriver:
             private=machine.private,
         )  # fmt: skip
         self.facts = self.observer.facts
-        self.exchange = Exchange(core, self.timer, parts, bans, adversary)
+        self.exchange = Exchange(core, self.timer, parts, bans, tampering)
         self.joining = Joining(
             core, self.timer, parts.publisher, machine.overlapped, announced=effects.joining
         )

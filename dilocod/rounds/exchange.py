@@ -13,8 +13,8 @@ from dilocod.rounds.events import Attempt
 from dilocod.rounds.pipeline import Contribution
 from dilocod.rounds.ports import Parts
 from dilocod.rounds.timing import RoundTimer
-from dilocod.trust.adversary import Adversary
 from dilocod.trust.bans import BanList
+from dilocod.trust.hooks import HONEST, Tampering
 from peers.group import RoundOutcome
 from proto import encode_ticket
 from proto.records import TICKET_SEGMENTS
@@ -43,11 +43,11 @@ class Exchange:
         timer: RoundTimer,
         parts: Parts,
         bans: BanList,
-        adversary: Adversary | None = None,
+        tampering: Tampering = HONEST,
     ) -> None:
         self.settings, self.state, self.outer = core.settings, core.state, core.outer
         self.pipeline, self.tokens = core.pipeline, core.tokens
-        self.timer, self.bans, self.adversary = timer, bans, adversary
+        self.timer, self.bans, self.tampering = timer, bans, tampering
         self.training, self.averaging, self.scoring = parts.training, parts.averaging, parts.scoring
 
     async def start(self) -> InFlight:
@@ -56,7 +56,7 @@ class Exchange:
         tokens, seconds = self.tokens.send(contribution.fragment)
         ticket = self.ticket(contribution.step, tokens, seconds)
         if self.scoring is not None:  # kept to be served to whoever scores it
-            claimed, _ = self.adversary.claim(tokens, 0.0) if self.adversary is not None else (tokens, 0.0)
+            claimed, _ = self.tampering.claimed(tokens, 0.0)
             chunks = [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part]
             self.scoring.sent(contribution.step, contribution.sent, contribution.indices, claimed, chunks)
         average = self.averaging.average(contribution, ticket, self.timer.group_target)
@@ -64,8 +64,7 @@ class Exchange:
 
     def ticket(self, step: int, tokens: int, seconds: float) -> bytes:
         tokens_per_second = max(0.0, self.state.inner.tokens_per_second)
-        if self.adversary is not None:
-            tokens, tokens_per_second = self.adversary.claim(tokens, tokens_per_second)
+        tokens, tokens_per_second = self.tampering.claimed(tokens, tokens_per_second)
         return encode_ticket(
             {
                 "outer_step": step,

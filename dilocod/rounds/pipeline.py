@@ -36,7 +36,7 @@ from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import fragment_of, mix, split_fragments
 from dilocod.statesync.stepback import Previous
 from dilocod.trainer import InnerTrainer
-from dilocod.trust.adversary import Adversary
+from dilocod.trust.hooks import Tampering
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,12 @@ class RoundPipeline:
         trainer: InnerTrainer,
         outer: OuterOptimizer,
         feedback: ErrorFeedback | None,
-        adversary: Adversary,
+        tampering: Tampering,
         codec: Codec | None,
         release: Callable[[], object] | None = None,
     ) -> None:
         self.settings, self.trainer, self.outer = settings, trainer, outer
-        self.feedback, self.adversary, self.codec = feedback, adversary, codec
+        self.feedback, self.tampering, self.codec = feedback, tampering, codec
         # Gives freed memory back to the system during the outer step (the daemon's: `peers/heap.py`).
         self.release = release
         streaming = settings.overlap == "streaming"
@@ -118,20 +118,8 @@ class RoundPipeline:
         # `raw` is ours alone except with delayed overlap (it is also `progress`): add the residual in place.
         in_place = progress is None
         delta = raw if self.feedback is None else self._feedback(indices).compensate(raw, in_place=in_place)
-        if self.adversary.active:
-            self.adversary.observe_global(self.outer.params)
-        sent = self._corrupt(delta, indices) if self.adversary.active else delta
+        sent = self.tampering.sent(delta, indices, self.outer.params)  # `delta` itself, for an honest peer
         return Contribution(self.outer.step, fragment, indices, delta, sent, progress)
-
-    def _corrupt(self, delta: list[torch.Tensor], indices: list[int] | None) -> list[torch.Tensor]:
-        if indices is None:
-            return self.adversary.corrupt_delta(delta)
-        # adversary modes keep per-parameter history: give them whole, zero-padded lists
-        whole = [torch.zeros_like(p) for p in self.outer.params]
-        for i, d in zip(indices, delta):
-            whole[i] = d
-        corrupted = self.adversary.corrupt_delta(whole)
-        return [corrupted[i] for i in indices]
 
     def caught_up(self, averaged: list[torch.Tensor]) -> Contribution | None:
         """Overlap, right after a re-sync: the donor's round in flight at our new outer step, as a

@@ -32,7 +32,7 @@ from dilocod.statesync.ledger import (
 )
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import InnerTrainer
-from dilocod.trust.adversary import Adversary
+from dilocod.trust.hooks import Tampering
 from peers.group import DownloadedState, GroupAverager
 from proto import ProtoError, decode_state_meta, encode_state_meta
 
@@ -82,7 +82,7 @@ class StateSync:
         outer: OuterOptimizer,
         trainer: InnerTrainer,
         group: GroupAverager,
-        adversary: Adversary,
+        tampering: Tampering,
         *,
         in_trainer: InTrainer[Any],
         records: Records,
@@ -93,7 +93,7 @@ class StateSync:
         parts: PartsSource | None = None,
     ) -> None:
         self.settings, self.outer, self.trainer, self.group = settings, outer, trainer, group
-        self.adversary = adversary
+        self.tampering = tampering
         self._in_trainer, self._records, self._punish = in_trainer, records, punish
         self._banned, self._on_adopted, self._count_bytes = banned, on_adopted, count_bytes
         self.parts = parts  # the download in parts from several donors (None: whole, from one donor)
@@ -106,9 +106,9 @@ class StateSync:
         """Publish a snapshot of θ_global and momentum for peers that need to re-sync from us."""
         # The live tensors, not a copy (8 bytes a parameter): an outer step or an adoption replaces them
         # with new ones (`OuterOptimizer.apply`), so these stay what the snapshot's hash says.
-        tensors = self.adversary.poison_state(self.outer.state_tensors())
+        step, tensors = self.tampering.served_state(self.outer.step, self.outer.state_tensors())
         self.snapshot = (self._meta(tensors, 0), tensors)
-        self.group.set_state_step(self.adversary.declared_state_step(self.outer.step))
+        self.group.set_state_step(step)
 
     def withdraw(self) -> None:
         """Stop offering our state, until the next `share`: the outer step replaces θ_global and the

@@ -1,5 +1,8 @@
 """Adversary modes for testing the defenses (`[adversary] mode`, off by default).
 
+Every mode lives here and reaches the daemon through the hook points of `trust/hooks.py` (`Tampering`),
+which `Adversary` implements.
+
 An adversary lies only through the protocol, as a stranger could: it sends a crafted pseudo-gradient,
 returns garbage for the parts it reduces, or serves poisoned state to peers that download from it.
 Otherwise it behaves like an honest peer (it applies the group's outer step), so that it stays in
@@ -13,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from dilocod.trust.hooks import HONEST, Tampering
 
 ADVERSARY_MODES = (
     "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
@@ -62,6 +67,36 @@ class Adversary:
     @property
     def corrupt_reductions(self) -> bool:
         return self.mode == "bad_reducer"
+
+    # ---- the hook points (trust/hooks.py) -------------------------------------------------------------
+    def sent(
+        self, delta: list[torch.Tensor], indices: list[int] | None, global_params: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if not self.active:
+            return delta
+        self.observe_global(global_params)
+        if indices is None:
+            return self.corrupt_delta(delta)
+        # the modes keep per-parameter history: give them whole, zero-padded lists
+        whole = [torch.zeros_like(p) for p in global_params]
+        for i, d in zip(indices, delta):
+            whole[i] = d
+        corrupted = self.corrupt_delta(whole)
+        return [corrupted[i] for i in indices]
+
+    def claimed(self, tokens: int, tokens_per_second: float) -> tuple[int, float]:
+        return self.claim(tokens, tokens_per_second)
+
+    def served_state(self, step: int, tensors: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+        return self.declared_state_step(step), self.poison_state(tensors)
+
+    def reply_part(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return garbage_like if self.corrupt_reductions else None
+
+    def training_windows(self, seq_len: int) -> Callable[[list[int]], list[int]] | None:
+        return self.windows(seq_len)
+
+    # ---- the modes ------------------------------------------------------------------------------------
 
     @property
     def checks_reducers(self) -> bool:
@@ -166,6 +201,16 @@ class Adversary:
         if self.mode != "bad_donor":
             return tensors
         return [t + torch.randn(t.shape, generator=self._generator) for t in tensors]
+
+
+def tampering_for(cfg: AdversaryConfig, seed: int) -> Tampering:
+    """The daemon's hooks: an honest peer's, or this mode's."""
+    return HONEST if cfg.mode == "none" else Adversary(cfg, seed)
+
+
+def garbage_like(tensor: torch.Tensor) -> torch.Tensor:
+    """What a lying reducer (`bad_reducer`) sends back instead of the part it reduced."""
+    return torch.randn(tensor.shape) * 1000.0
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:
