@@ -44,7 +44,7 @@ from bench.anchor.dilocod_side import run_dilocod  # noqa: E402
 from bench.anchor.hivemind_side import run_hivemind  # noqa: E402
 from bench.anchor.report import dilocod_at_steps, dilocod_summary, hivemind_summary, spread, table  # noqa: E402
 from bench.anchor.settings import HIVEMIND_OPTIMIZER, REPO, Race, identities, round_samples  # noqa: E402
-from dilocod.node.deadlines import resolve_deadlines  # noqa: E402
+from dilocod.node.autodeadlines import resolve_deadlines  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

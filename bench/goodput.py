@@ -60,15 +60,15 @@ def _shapes(preset: str, floats: int | None) -> list[Any]:
 async def _peer_main(args: argparse.Namespace) -> None:
     import torch
 
-    from peers.group import AveragingOptions, GroupAverager
-    from peers.node import Node, NodeOptions
+    from peers.group import AveragingSettings, GroupAverager
+    from peers.node import Node, NodeSettings
     from proto import encode_ticket
 
     torch.set_num_threads(1)
     out = Path(args.out)
     mode = args.mode
     node = Node(
-        NodeOptions(
+        NodeSettings(
             run_id=RUN_ID,
             initial_peers=tuple(args.initial),
             host=args.host,
@@ -86,7 +86,7 @@ async def _peer_main(args: argparse.Namespace) -> None:
     tensors = [torch.randn(shape, generator=g) for shape in _shapes(args.preset, args.floats)]
     size = sum(t.numel() for t in tensors)
     members = args.n + (1 if args.aux else 0)
-    options = AveragingOptions(
+    options = AveragingSettings(
         target_group_size=members,
         min_group_size=members,  # every round is the whole group, or none
         min_matchmaking_time=3.0,

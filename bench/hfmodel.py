@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dilocod.data.tokenizer import BYTE, load_tokenizer  # noqa: E402
 from dilocod.export.export import write_model  # noqa: E402
 from dilocod.export.hf import llama_config_dict, llama_tensors  # noqa: E402
-from dilocod.export.tokenizer import write_tokenizer  # noqa: E402
+from dilocod.export.hftokenizer import write_tokenizer  # noqa: E402
 from dilocod.trainer.model import ModelConfig, Transformer, build_model, count_params  # noqa: E402
 
 

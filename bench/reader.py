@@ -53,7 +53,7 @@ def reader_rate(
     corpus: Corpus, batch: int, seq: int, seconds: float, num_shards: int = 16
 ) -> tuple[float, float]:
     """(tokens/s, tokens per CPU second) of ShardSampler.batch() over ``corpus.train``, for about ``seconds``."""
-    from dilocod.trainer.data import ShardSampler
+    from dilocod.trainer.batches import ShardSampler
 
     sampler = ShardSampler(
         corpus.train, seed=0, peer_key="bench", num_shards=num_shards, batch_size=batch, seq_len=seq
@@ -97,8 +97,8 @@ def trainer_rate(corpus: Corpus, preset: str, batch: int, seq: int, steps: int) 
 def throughput(args: argparse.Namespace) -> list[str]:
     import torch
 
-    from dilocod.data.local import source_dataset
-    from dilocod.trainer.data import DataConfig, load_corpus
+    from dilocod.data.localcopy import source_dataset
+    from dilocod.trainer.batches import DataConfig, load_corpus
 
     started = time.perf_counter()
     directory = source_dataset(DataConfig())
@@ -218,7 +218,7 @@ def child(directory: Path, batches: int, batch: int, seq: int) -> None:
     """One peer's reader alone in this process: corpus, sampler, batches; print its memory as JSON."""
     import torch
 
-    from dilocod.trainer.data import DataConfig, ShardSampler, load_corpus
+    from dilocod.trainer.batches import DataConfig, ShardSampler, load_corpus
 
     torch.set_num_threads(1)
     before = memory_snapshot(directory)

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dilocod.aggregation.pipeline import make_part_reduce  # noqa: E402
+from dilocod.aggregation.partrules import make_part_reduce  # noqa: E402
 from dilocod.config import AveragingConfig  # noqa: E402
 from dilocod.trainer import ModelConfig, build_model, count_params  # noqa: E402
 
@@ -52,7 +52,7 @@ def senders_copies(size: int, senders: int, seed: int = 0) -> torch.Tensor:
 def reduce_all(stacked: torch.Tensor, reducer: str) -> float:
     """Seconds to screen and reduce every part of `stacked` with `reducer`."""
     cfg = AveragingConfig(reducer=reducer)
-    reduce_part = make_part_reduce(cfg.reducer_config(), cfg.screening_config())
+    reduce_part = make_part_reduce(cfg.reducer_settings(), cfg.screening_settings())
     weights = torch.ones(stacked.shape[0])
     start = time.perf_counter()
     for begin in range(0, stacked.shape[1], PART_FLOATS):

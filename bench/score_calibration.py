@@ -1,5 +1,5 @@
 """What contribution scores look like, as a scorer computes them (dilocod/trust/measure.py,
-dilocod/trust/scoring.py, the thresholds of dilocod/node/scoring.py). Every round, from one θ_global:
+dilocod/trust/scoring.py, the thresholds of dilocod/node/scorer.py). Every round, from one θ_global:
 
 - the scorer's own Δ (the reference): H inner steps on the windows of one chunk;
 - `honest`: a contributor's Δ, `--honest-steps` inner steps (H unless given: fewer is a slower peer) on
@@ -23,8 +23,8 @@ import torch
 
 from dilocod.config import load_config
 from dilocod.data.cursor import part_windows
-from dilocod.node.scoring import MIN_DATA_GAIN_MEASURED
-from dilocod.trainer.data import batch_at
+from dilocod.node.scorer import MIN_DATA_GAIN_MEASURED
+from dilocod.trainer.batches import batch_at
 from dilocod.trainer.inner import InnerTrainer
 from dilocod.trust.measure import measure, pick, random_starts
 from dilocod.trust.scoring import MIN_GAIN, score

@@ -4,8 +4,8 @@
 
 Needs root (tests/netbed.py: network namespaces, tc). Four public donor hosts, each on an access link of
 `--rate` Mbit/s each way with `--delay-ms` one-way delay, serve the same state (θ_global and momentum as
-two fp32 tensors of `--mb` MB in all) with peers/stateshare.py's server; an unshaped joiner host downloads
-it with peers/statedownload.py (the code a re-syncing peer runs), from the first 1, 2 and 4 donors in
+two fp32 tensors of `--mb` MB in all) with peers/state/share.py's server; an unshaped joiner host downloads
+it with peers/state/download.py (the code a re-syncing peer runs), from the first 1, 2 and 4 donors in
 turn, `--repeat` times each, and checks every byte. The bound for k donors is the state's bits ÷ (k ×
 rate); the ratio printed is bound ÷ measured time (1.0 = the donors' links were full all along).
 """
@@ -28,9 +28,9 @@ import torch  # noqa: E402
 from hivemind.p2p import P2P, PeerID  # noqa: E402
 from hivemind.utils.multiaddr import Multiaddr  # noqa: E402
 
-from peers import statedownload  # noqa: E402
-from peers.statedownload import PartsDownload  # noqa: E402
-from peers.stateshare import STATE_PROTOCOL, P2PStateClient, StateServer  # noqa: E402
+from peers.state import download as statedownload  # noqa: E402
+from peers.state.download import PartsDownload  # noqa: E402
+from peers.state.share import STATE_PROTOCOL, P2PStateClient, StateServer  # noqa: E402
 from proto import encode_state_meta  # noqa: E402
 
 DONORS = 4

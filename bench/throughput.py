@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dilocod.trainer import DataConfig, InnerTrainer, ModelConfig, TrainerConfig, build_model, count_params
-from dilocod.trainer.data import ShardSampler, load_corpus
+from dilocod.trainer.batches import ShardSampler, load_corpus
 
 
 def bare_loop(preset: str, batch: int, seq: int, steps: int) -> float:

@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/bench-bpe")
     parser.add_argument("--keep", action="store_true", help="keep the BPE and its dataset under --work")
     args = parser.parse_args()
-    from dilocod.data.local import open_corpus, source_dataset
+    from dilocod.data.localcopy import open_corpus, source_dataset
     from dilocod.data.settings import DataConfig
 
     started = time.perf_counter()

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dilocod import DEFAULT_RUN_ID
-from dilocod.aggregation import ReducerConfig, ScreeningConfig
+from dilocod.aggregation import ReducerSettings, ScreeningSettings
 from dilocod.codecs import CODEC_NAMES, FEEDBACK_CODECS, Codec, ErrorFeedback, make_codec
 from dilocod.configtoml import ConfigError, apply_override, build, read_toml
 from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
 from dilocod.statesync.checkpoint import CheckpointConfig
-from dilocod.trainer.data import DataConfig
+from dilocod.trainer.batches import DataConfig
 from dilocod.trainer.hfmodel import HFConfigError
 from dilocod.trainer.lm import lm_skeleton, model_name
 from dilocod.trainer.model import PRESETS, ModelConfig
@@ -112,11 +112,13 @@ class AveragingConfig:
     deadline_factor: float = 3.0  # how much longer than recent rounds a phase may take
     min_allreduce_timeout: float = 5.0  # floor of the adaptive all-reduce deadline
 
-    def reducer_config(self) -> ReducerConfig:
-        return ReducerConfig(self.reducer, self.trim_fraction, self.clip_tau, self.clip_iters, self.clip_tol)
+    def reducer_settings(self) -> ReducerSettings:
+        return ReducerSettings(
+            self.reducer, self.trim_fraction, self.clip_tau, self.clip_iters, self.clip_tol
+        )
 
-    def screening_config(self) -> ScreeningConfig:
-        return ScreeningConfig(self.screen_norm_ratio)
+    def screening_settings(self) -> ScreeningSettings:
+        return ScreeningSettings(self.screen_norm_ratio)
 
     def wire_codec(self) -> Codec | None:
         """The codec parts travel with; None for `none` (exact fp32 messages, as before codecs existed)."""
@@ -168,8 +170,8 @@ class AveragingConfig:
             raise ValueError(
                 f"averaging.residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got '{self.residual_dtype}'"
             )
-        self.reducer_config().validate()
-        self.screening_config().validate()
+        self.reducer_settings().validate()
+        self.screening_settings().validate()
 
 
 @dataclass(frozen=True)

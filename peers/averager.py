@@ -10,7 +10,7 @@ host. What it adds:
   must re-sync);
 - results are exact (see `allreduce.py`) and land in the shared tensors a tensor at a time, each once
   all its parts are in; the daemon reads them only after a complete round;
-- state downloads are for the run's peers only (`statedonors.py`); who counts in a group is decided
+- state downloads are for the run's peers only (`state/donors.py`); who counts in a group is decided
   from the gathered data in `membership.py`.
 """
 
@@ -41,7 +41,7 @@ from peers.deadlines import allreduce_cancelled_reason
 from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.partreduce import PartCheck, PartReduce, PartReply
-from peers.statedonors import StateDonors, StateProvider
+from peers.state.donors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 
 log = logging.getLogger("peers.averager")

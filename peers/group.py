@@ -21,12 +21,12 @@ from peers.linkbudget import DEFAULT_RATE, LinkEstimate, LinkRule, allreduce_dea
 from peers.node import Node, stop_child
 from peers.partreduce import PartCheck, PartReduce, PartReply
 from peers.shmem import release
-from peers.statedonors import StateProvider
+from peers.state.donors import StateProvider
 from peers.wirecodec import PartCodec
 
 
 @dataclass(frozen=True)
-class AveragingOptions:
+class AveragingSettings:
     target_group_size: int = 8
     min_group_size: int = 2
     min_matchmaking_time: float = 3.0
@@ -102,7 +102,7 @@ class GroupAverager:
         self,
         node: Node,
         template: Sequence[torch.Tensor],
-        options: AveragingOptions,
+        options: AveragingSettings,
         state_provider: StateProvider | None,
     ) -> None:
         self.node = node

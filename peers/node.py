@@ -25,17 +25,18 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
-from peers import datashare, reachability, runinfo, stateshare, unary
+from peers import datashare, reachability, runinfo, unary
 from peers.auth import Identity, RunAuth, RunRecordValidator, ensure_identity
 from peers.dhtprocess import RunDHT
 from peers.errors import PeersError
 from peers.forking import freeze_before_fork
+from peers.state import share as stateshare
 
 log = logging.getLogger("peers.node")
 
 
 @dataclass(frozen=True)
-class NodeOptions:
+class NodeSettings:
     """How this peer joins the network. Plain values: the daemon builds it from its own config."""
 
     run_id: str
@@ -92,7 +93,7 @@ def _listen_maddr(host: str, port: int) -> str:
 class Node:
     """A started DHT node for one run. Keys it touches are all prefixed with the run id."""
 
-    def __init__(self, options: NodeOptions) -> None:
+    def __init__(self, options: NodeSettings) -> None:
         for text in options.initial_peers:
             parse_multiaddr(text)
         for text in options.announce:
@@ -243,7 +244,7 @@ class Node:
         )
 
     async def serve_state(self, provider: stateshare.StateProvider) -> stateshare.StateServer:
-        """Serve our state in parts to the run's members that re-sync (peers/stateshare.py)."""
+        """Serve our state in parts to the run's members that re-sync (peers/state/share.py)."""
         return await stateshare.serve_state(await self.started.replicate_p2p(), provider, self.auth)
 
     async def state_client(self) -> stateshare.P2PStateClient:

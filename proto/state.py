@@ -1,4 +1,4 @@
-"""The state-parts protocol (`/dilocod/state/1.0.0`, peers/stateshare.py): θ_global and the outer momentum
+"""The state-parts protocol (`/dilocod/state/1.0.0`, peers/state/share.py): θ_global and the outer momentum
 served in parts, so that a joiner downloads them from several donors at once.
 
 A joiner first asks each donor for the **head** of the snapshot it serves: its `STATE_META`, the shape of
@@ -65,7 +65,7 @@ STATE_HEAD = Schema(
 - snapshot: the id to name in part requests (the donor's own; two donors' ids differ).
 - part_bytes, total_bytes: the part size and the snapshot's size; part i covers bytes
   [i·part_bytes, min((i + 1)·part_bytes, total_bytes)). The part size follows the state's size
-  (`peers.stateshare.part_size`), so donors of one state declare the same parts.
+  (`peers.state.share.part_size`), so donors of one state declare the same parts.
 - shapes: each tensor's shape ("128x384"), in order; fp32 throughout. Their sizes sum to total_bytes.
 - digests: the sha256 of each part, hex. A joiner holds every donor to the list most of them declare.
 - error: why nothing is served ("no state yet", "not a member", "busy"); a reply has either an error or

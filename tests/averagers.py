@@ -8,13 +8,13 @@ from contextlib import contextmanager
 
 import torch
 
-from peers.group import AveragingOptions, GroupAverager
-from peers.node import Node, NodeOptions
+from peers.group import AveragingSettings, GroupAverager
+from peers.node import Node, NodeSettings
 
 
 @contextmanager
 def started_averagers(
-    run_id: str, template: Sequence[torch.Tensor], options: Sequence[AveragingOptions]
+    run_id: str, template: Sequence[torch.Tensor], options: Sequence[AveragingSettings]
 ) -> Iterator[list[GroupAverager]]:
     """One node and averager per entry of `options` (each member's own), on loopback, joined through the
     first node; every process is stopped on exit, however the test ended."""
@@ -23,7 +23,7 @@ def started_averagers(
     try:
         for _ in options:
             initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id=run_id, initial_peers=initial, host="127.0.0.1"))
+            node = Node(NodeSettings(run_id=run_id, initial_peers=initial, host="127.0.0.1"))
             node.start()
             nodes.append(node)
         for node, member in zip(nodes, options, strict=True):

@@ -14,8 +14,8 @@ from dilocod.aggregation import (
     AUTO_TAU_FACTOR,
     REDUCER_NAMES,
     Reducer,
-    ReducerConfig,
-    ScreeningConfig,
+    ReducerSettings,
+    ScreeningSettings,
     auto_tau,
     average_bound,
     centered_clip,
@@ -29,11 +29,11 @@ from dilocod.aggregation import (
     trimmed_mean,
 )
 from dilocod.aggregation._det import median_1d, row_sq_norms, vector_norm
-from dilocod.aggregation.pipeline import make_part_check
+from dilocod.aggregation.partrules import make_part_check
 from peers.partreduce import own_share
 
 NAN, INF = float("nan"), float("inf")
-REDUCERS: dict[str, Reducer] = {name: make_reducer(ReducerConfig(name=name)) for name in REDUCER_NAMES}
+REDUCERS: dict[str, Reducer] = {name: make_reducer(ReducerSettings(name=name)) for name in REDUCER_NAMES}
 EXACT_ORDER_FREE = ("median", "trimmed_mean")  # sort-based: permutation invariant bit for bit
 PROPS = settings(max_examples=100, deadline=None)
 
@@ -604,7 +604,7 @@ def test_deterministic_across_thread_counts(w: torch.Tensor) -> None:
         for threads in (1, 4):
             torch.set_num_threads(threads)
             outs = [REDUCERS[name](x, w) for name in REDUCER_NAMES]
-            results.append([*outs, screen(x, w, ScreeningConfig(norm_ratio=50.0))])
+            results.append([*outs, screen(x, w, ScreeningSettings(norm_ratio=50.0))])
     finally:
         torch.set_num_threads(before)
     assert all(bits_equal(a, b) for a, b in zip(*results))
@@ -619,22 +619,22 @@ def test_screen_drops_nan_inf_and_blown_up_rows() -> None:
     x = torch.cat([honest, honest[:1] * 1000, torch.full((1, 64), NAN), torch.full((1, 64), INF)])
     x[1, 7] = NAN  # one bad coordinate is enough
     w = ones(8)
-    after = screen(x, w, ScreeningConfig())
+    after = screen(x, w, ScreeningSettings())
     assert after.tolist() == [1, 0, 1, 1, 1, 0, 0, 0]
-    assert faulty(x, w, after, ScreeningConfig()) == [1, 5, 6, 7]
+    assert faulty(x, w, after, ScreeningSettings()) == [1, 5, 6, 7]
     assert w.tolist() == [1] * 8  # a new tensor: the input is untouched
     # already-excluded rows stay excluded and are not reported again
-    again = screen(x, after, ScreeningConfig())
-    assert torch.equal(again, after) and faulty(x, after, again, ScreeningConfig()) == []
+    again = screen(x, after, ScreeningSettings())
+    assert torch.equal(again, after) and faulty(x, after, again, ScreeningSettings()) == []
 
 
 def test_screen_ratio_and_edges() -> None:
     x = t([[1, 0], [0, 2], [3, 0], [0, 31]])
     # norms [1, 2, 3, 31], median (2+3)/2 = 2.5 → limit 25 with ratio 10: only 31 goes
-    assert screen(x, ones(4), ScreeningConfig()).tolist() == [1, 1, 1, 0]
-    assert screen(x, ones(4), ScreeningConfig(norm_ratio=20.0)).tolist() == [1, 1, 1, 1]
-    assert screen(x, torch.zeros(4), ScreeningConfig()).tolist() == [0, 0, 0, 0]
-    assert screen(x[:1], ones(1), ScreeningConfig()).tolist() == [1]
+    assert screen(x, ones(4), ScreeningSettings()).tolist() == [1, 1, 1, 0]
+    assert screen(x, ones(4), ScreeningSettings(norm_ratio=20.0)).tolist() == [1, 1, 1, 1]
+    assert screen(x, torch.zeros(4), ScreeningSettings()).tolist() == [0, 0, 0, 0]
+    assert screen(x[:1], ones(1), ScreeningSettings()).tolist() == [1]
 
 
 def test_screened_is_not_always_faulty() -> None:
@@ -644,9 +644,9 @@ def test_screened_is_not_always_faulty() -> None:
     honest = torch.randn(4, 64, generator=g)
     x = torch.cat([honest, honest[:1] * 20, honest[:1] * 100, honest[:1] * -1000])
     w = ones(7)
-    after = screen(x, w, ScreeningConfig())
+    after = screen(x, w, ScreeningSettings())
     assert after.tolist() == [1, 1, 1, 1, 0, 0, 0]
-    assert faulty(x, w, after, ScreeningConfig()) == [5, 6]
+    assert faulty(x, w, after, ScreeningSettings()) == [5, 6]
     assert faulty(x, w, after) == [4, 5, 6]  # undefended callers: every dropped row counts
 
 
@@ -661,9 +661,9 @@ def test_a_pair_drops_and_flags_a_blown_up_partner(liar_first: bool, factor: flo
     rows = [honest, honest * factor]
     x = torch.cat(rows[::-1] if liar_first else rows)
     liar = 0 if liar_first else 1
-    after = screen(x, ones(2), ScreeningConfig())
+    after = screen(x, ones(2), ScreeningSettings())
     assert after.tolist() == [float(i != liar) for i in range(2)]
-    assert faulty(x, ones(2), after, ScreeningConfig()) == [liar]
+    assert faulty(x, ones(2), after, ScreeningSettings()) == [liar]
     assert torch.equal(REDUCERS["centered_clip"](x, after), honest[0])
 
 
@@ -673,10 +673,10 @@ def test_an_honest_pair_of_unequal_work_stays_together() -> None:
     g = torch.Generator().manual_seed(5)
     small = torch.randn(1, 256, generator=g)
     x = torch.cat([small * 13, small])
-    assert screen(x, t([[1.0], [0.5]]).flatten(), ScreeningConfig()).tolist() == [1.0, 0.5]
+    assert screen(x, t([[1.0], [0.5]]).flatten(), ScreeningSettings()).tolist() == [1.0, 0.5]
     # at equal weights the same two are ten-fold apart: the larger one sits out this round, unbanned
-    after = screen(x, ones(2), ScreeningConfig())
-    assert after.tolist() == [0.0, 1.0] and faulty(x, ones(2), after, ScreeningConfig()) == []
+    after = screen(x, ones(2), ScreeningSettings())
+    assert after.tolist() == [0.0, 1.0] and faulty(x, ones(2), after, ScreeningSettings()) == []
 
 
 @PROPS
@@ -684,7 +684,7 @@ def test_an_honest_pair_of_unequal_work_stays_together() -> None:
 def test_screening_is_never_looser_than_the_median_bound(case: tuple[torch.Tensor, torch.Tensor]) -> None:
     # verify.py's receiver check assumes every kept row is within norm_ratio × the median norm
     x, w = case
-    after = screen(x, w, ScreeningConfig())
+    after = screen(x, w, ScreeningSettings())
     norms = x.double().norm(dim=1)
     included = norms[w > 0]
     if len(included):
@@ -702,9 +702,9 @@ def test_screen_never_adds_and_always_drops_garbage(
     bad_at = data.draw(st.integers(0, len(x)))
     bad = torch.full((1, x.shape[1]), data.draw(st.sampled_from([NAN, INF, -INF])))
     x, w = torch.cat([x[:bad_at], bad, x[bad_at:]]), torch.cat([w[:bad_at], ones(1), w[bad_at:]])
-    after = screen(x, w, ScreeningConfig())
+    after = screen(x, w, ScreeningSettings())
     assert after[bad_at] == 0 and bool(((after == 0) | (after == w)).all())
-    assert bad_at in faulty(x, w, after, ScreeningConfig())
+    assert bad_at in faulty(x, w, after, ScreeningSettings())
 
 
 # ---------------------------------------------------------------- verification
@@ -714,7 +714,7 @@ def test_plausible_average_accepts_robust_and_rejects_garbage() -> None:
     g = torch.Generator().manual_seed(1)
     honest = torch.randn(3, 256, generator=g)
     x = torch.cat([honest, -1000 * honest[:1]])  # one sign-flipping liar
-    w = screen(x, ones(4), ScreeningConfig())
+    w = screen(x, ones(4), ScreeningSettings())
     assert w.tolist() == [1, 1, 1, 0]
     avg = centered_clip(x, w)
     own = honest[0]
@@ -741,8 +741,8 @@ def test_part_check_trusts_a_small_contributor_by_its_share() -> None:
     small = 0.001 * torch.randn(256, generator=g)
     x = torch.cat([big, small[None]])
     w = torch.tensor([20.0, 20.0, 20.0, 1.0])
-    avg = REDUCERS["centered_clip"](x, screen(x, w, ScreeningConfig()))
-    check = make_part_check(ScreeningConfig())
+    avg = REDUCERS["centered_clip"](x, screen(x, w, ScreeningSettings()))
+    check = make_part_check(ScreeningSettings())
     assert not check(avg, small, 1.0)  # the pre-share check: an honest reducer rejected
     share = own_share(w.tolist(), 1.0)
     assert share == pytest.approx(1 / 15.25)
@@ -764,7 +764,7 @@ def test_plausible_average_has_no_false_positives(
     # caller knows M.
     _, x, _ = case
     tokens_w = torch.tensor(data.draw(st.lists(tokens, min_size=len(x), max_size=len(x))))
-    w = screen(x, data.draw(st.sampled_from([ones(len(x)), tokens_w])), ScreeningConfig())
+    w = screen(x, data.draw(st.sampled_from([ones(len(x)), tokens_w])), ScreeningSettings())
     s = x.double().norm(dim=1).sort().values  # the median as screening computes it
     m = float(s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
     own = x[own_at % len(x)]
@@ -777,34 +777,34 @@ def test_plausible_average_has_no_false_positives(
 
 def bad_configs() -> Iterator[tuple[object, str]]:
     choices = "averaging.reducer must be one of mean, trimmed_mean, median, centered_clip"
-    yield ReducerConfig(name="krum"), choices
+    yield ReducerSettings(name="krum"), choices
     for frac in (-0.1, 0.5, NAN, "0.2"):
-        yield ReducerConfig(trim_fraction=frac), "averaging.trim_fraction"  # type: ignore[arg-type]
+        yield ReducerSettings(trim_fraction=frac), "averaging.trim_fraction"  # type: ignore[arg-type]
     for tau in (0.0, -1.0, INF, NAN):
-        yield ReducerConfig(clip_tau=tau), "averaging.clip_tau"
+        yield ReducerSettings(clip_tau=tau), "averaging.clip_tau"
     for iters in (0, -3, 2.5, True):
-        yield ReducerConfig(clip_iters=iters), "averaging.clip_iters"  # type: ignore[arg-type]
+        yield ReducerSettings(clip_iters=iters), "averaging.clip_iters"  # type: ignore[arg-type]
     for tol in (-1e-6, NAN, INF):
-        yield ReducerConfig(clip_tol=tol), "averaging.clip_tol"
+        yield ReducerSettings(clip_tol=tol), "averaging.clip_tol"
     for ratio in (0.5, INF, NAN, -1.0):
-        yield ScreeningConfig(norm_ratio=ratio), "averaging.screen_norm_ratio"
+        yield ScreeningSettings(norm_ratio=ratio), "averaging.screen_norm_ratio"
 
 
 @pytest.mark.parametrize(("cfg", "key"), list(bad_configs()))
-def test_config_errors_name_the_key(cfg: ReducerConfig | ScreeningConfig, key: str) -> None:
+def test_config_errors_name_the_key(cfg: ReducerSettings | ScreeningSettings, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         cfg.validate()
 
 
 def test_make_reducer_validates_and_binds() -> None:
     with pytest.raises(ValueError, match="averaging.reducer"):
-        make_reducer(ReducerConfig(name="krum"))
-    ReducerConfig().validate()
-    ScreeningConfig().validate()
-    ReducerConfig(clip_tau=2.0, clip_tol=0.0, trim_fraction=0.0).validate()
+        make_reducer(ReducerSettings(name="krum"))
+    ReducerSettings().validate()
+    ScreeningSettings().validate()
+    ReducerSettings(clip_tau=2.0, clip_tol=0.0, trim_fraction=0.0).validate()
     x = t([[0], [0], [1], [10]])
     # the settings really reach the reducer (values from test_centered_clip_by_hand)
-    assert make_reducer(ReducerConfig(clip_tau=1.0, clip_iters=2))(x, ones(4)).item() == 0.65625
+    assert make_reducer(ReducerSettings(clip_tau=1.0, clip_iters=2))(x, ones(4)).item() == 0.65625
     # trim_fraction 0 → no trimming → the mean 11/4
-    assert make_reducer(ReducerConfig(name="trimmed_mean", trim_fraction=0.0))(x, ones(4)).item() == 2.75
-    assert math.isfinite(make_reducer(ReducerConfig())(x, ones(4)).item())
+    assert make_reducer(ReducerSettings(name="trimmed_mean", trim_fraction=0.0))(x, ones(4)).item() == 2.75
+    assert math.isfinite(make_reducer(ReducerSettings())(x, ones(4)).item())

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from peers import allreduce, group
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from tests.averagers import started_averagers
 from tests.fakes import round_ticket
 
@@ -73,7 +73,7 @@ def quartet() -> Iterator[list[GroupAverager]]:
     # Set before the averager processes fork: they inherit both classes.
     patch.setattr(group, "RunAverager", SmallPartAverager)
     patch.setattr("peers.averager.ExactAllReduceRunner", JitteryRunner)
-    options = AveragingOptions(target_group_size=MEMBERS, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+    options = AveragingSettings(target_group_size=MEMBERS, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
     try:
         with started_averagers("stresstest", [torch.zeros(NUM)], [options] * MEMBERS) as groups:
             yield groups

@@ -23,9 +23,9 @@ from hivemind.utils import MSGPackSerializer
 from dilocod.config import ConfigError, describe, load_config
 from peers.auth import Identity, RunAuth, RunRecordValidator, parse_run_key
 from peers.errors import PeersError
-from peers.group import AveragingOptions, GroupAverager
+from peers.group import AveragingSettings, GroupAverager
 from peers.membership import gathered_proof
-from peers.node import Node, NodeOptions
+from peers.node import Node, NodeSettings
 from tests.fakes import round_ticket
 from tests.harness import Swarm, get_json
 
@@ -224,7 +224,7 @@ def keyed_run() -> Iterator[tuple[list[Node], Node, Node]]:
         for auth in [SECRET, SECRET, OTHER, None]:
             initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
             node = Node(
-                NodeOptions(
+                NodeSettings(
                     run_id="authtest", initial_peers=initial, host="127.0.0.1", auth=parse_run_key(auth)
                 )
             )
@@ -268,7 +268,7 @@ def test_a_peer_without_the_key_gets_into_no_group(
     log_file = tmp_path / "peers.log"
     handler = logging.FileHandler(log_file)
     logging.getLogger("peers").addHandler(handler)
-    options = AveragingOptions(target_group_size=4, min_matchmaking_time=2.0, matchmaking_timeout=10.0)
+    options = AveragingSettings(target_group_size=4, min_matchmaking_time=2.0, matchmaking_timeout=10.0)
     groups = [
         GroupAverager(node, [torch.zeros(s) for s in SHAPES], options, state_provider=None)
         for node in [*members, wrong, keyless]
@@ -312,7 +312,7 @@ def test_state_is_served_only_to_key_holders(
     handler = logging.FileHandler(log_file)
     logging.getLogger("peers").addHandler(handler)
     state = [torch.full(s, 3.0) for s in SHAPES]
-    options = AveragingOptions()
+    options = AveragingSettings()
     donor = GroupAverager(members[0], state, options, state_provider=lambda: (b"meta", state))
     others = [GroupAverager(node, state, options, state_provider=None) for node in (members[1], keyless)]
     try:

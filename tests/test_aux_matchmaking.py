@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
-from peers.node import Node, NodeOptions
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
+from peers.node import Node, NodeSettings
 from proto import encode_ticket
 
 pytestmark = pytest.mark.integration
@@ -51,10 +51,10 @@ def members() -> Iterator[tuple[GroupAverager, GroupAverager, GroupAverager]]:
     try:
         for mode in ("aux", "node", "node"):
             initial = tuple(nodes[0].visible_maddrs()[:1]) if nodes else ()
-            node = Node(NodeOptions(run_id="auxtest", initial_peers=initial, host="127.0.0.1"))
+            node = Node(NodeSettings(run_id="auxtest", initial_peers=initial, host="127.0.0.1"))
             node.start()
             nodes.append(node)
-            opts = AveragingOptions(**OPTIONS, mode=mode)  # type: ignore[arg-type]
+            opts = AveragingSettings(**OPTIONS, mode=mode)  # type: ignore[arg-type]
             group = GroupAverager(node, [torch.zeros(s) for s in SHAPES], opts, state_provider=None)
             group.start()
             groups.append(group)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from proto import encode_ticket
 from tests.averagers import started_averagers
 
@@ -41,7 +41,7 @@ def ticket() -> bytes:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[list[GroupAverager]]:
-    options = AveragingOptions(target_group_size=2, min_matchmaking_time=2.0, matchmaking_timeout=20.0)
+    options = AveragingSettings(target_group_size=2, min_matchmaking_time=2.0, matchmaking_timeout=20.0)
     # The first member only sends and receives (as behind NAT): what it holds is its own buffers and the
     # averages, not another member's parts to reduce.
     members = [dataclasses.replace(options, mode="client"), options]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.membership import agree_weights
 from peers.shmem import whole_pages
 from proto import encode_ticket
@@ -51,7 +51,7 @@ def test_agree_weights_majority_ties_and_invalid() -> None:
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[GroupAverager]]:
-    options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+    options = AveragingSettings(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
     with started_averagers("avgtest", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
         yield groups
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dilocod.aggregation import ReducerConfig, ScreeningConfig
-from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
+from dilocod.aggregation import ReducerSettings, ScreeningSettings
+from dilocod.aggregation.partrules import make_part_check, make_part_reduce
 from dilocod.codecs import Codec, ErrorFeedback, make_codec, roundtrip
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.node import Node
 from peers.wirecodec import PartCodec
 from tests.averagers import started_averagers
@@ -115,7 +115,7 @@ def group_order(outcome: RoundOutcome, nodes: list[Node]) -> list[int]:
     return [index[peer] for peer in outcome.members]
 
 
-ROBUST = make_part_reduce(ReducerConfig("centered_clip"), ScreeningConfig())
+ROBUST = make_part_reduce(ReducerSettings("centered_clip"), ScreeningSettings())
 
 
 # Class-scoped: each trio stops after the last test of the class that uses it.
@@ -123,7 +123,7 @@ ROBUST = make_part_reduce(ReducerConfig("centered_clip"), ScreeningConfig())
 def int8_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
     codecs: list[PartCodec] = [make_codec("int8"), Saboteur(), make_codec("int8")]
     options = [
-        AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0, codec=c)
+        AveragingSettings(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0, codec=c)
         for c in codecs
     ]
     with started_averagers("avgtest-int8", [torch.zeros(s) for s in SHAPES], options) as groups:
@@ -132,12 +132,12 @@ def int8_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
 
 @pytest.fixture(scope="class")
 def int2_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
-    options = AveragingOptions(
+    options = AveragingSettings(
         target_group_size=3,
         min_matchmaking_time=2.0,
         matchmaking_timeout=15.0,
         reduce_part=ROBUST,
-        check_part=make_part_check(ScreeningConfig()),
+        check_part=make_part_check(ScreeningSettings()),
         codec=make_codec("int2"),
     )
     with started_averagers("avgtest-int2", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
@@ -158,7 +158,7 @@ class TestInt8:
 
         # Bit for bit what the codec and the mean give, part by part.
         order = group_order(outcomes[0], nodes)
-        mean = make_part_reduce(ReducerConfig("mean"), ScreeningConfig())
+        mean = make_part_reduce(ReducerSettings("mean"), ScreeningSettings())
         expected = reduce_by_parts(inputs, codec, mean, order)
         assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
 
@@ -198,7 +198,7 @@ class TestInt8:
         encodable = [[x.clone() for x in member] for member in inputs]
         encodable[2][0][PART + 5] = 0.0
         full = reduce_by_parts(
-            encodable, codec, make_part_reduce(ReducerConfig("mean"), ScreeningConfig()), order
+            encodable, codec, make_part_reduce(ReducerSettings("mean"), ScreeningSettings()), order
         )
 
         def mean_of(members: list[int], lo: int, hi: int) -> torch.Tensor:

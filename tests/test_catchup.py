@@ -251,7 +251,7 @@ def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_on
     from dilocod.statesync.catchup import StateSync
     from dilocod.statesync.parts import PartsSource
     from dilocod.trust.adversary import Adversary
-    from peers.statedownload import PartsDownload
+    from peers.state.download import PartsDownload
     from tests.test_statedownload import FakeDonors
 
     cfg = load_config(None)

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peers.group import AveragingOptions, GroupAverager
-from peers.node import Node, NodeOptions
+from peers.group import AveragingSettings, GroupAverager
+from peers.node import Node, NodeSettings
 from tests.harness import FAST, REPO, Swarm, wait_for
 
 pytestmark = pytest.mark.integration
@@ -90,7 +90,7 @@ def _kill_groups_of(text: str) -> None:
 
 def _averager(node: Node) -> GroupAverager:
     template = [torch.zeros(1000)]
-    options = AveragingOptions(request_timeout=1.0, min_matchmaking_time=2.0, matchmaking_timeout=5.0)
+    options = AveragingSettings(request_timeout=1.0, min_matchmaking_time=2.0, matchmaking_timeout=5.0)
     group = GroupAverager(node, template, options, state_provider=lambda: (b"", template))
     group.start()
     return group
@@ -101,7 +101,7 @@ def test_averager_stopped_with_dht_requests_in_flight(stderr: Callable[[], str])
     reads those requests before the averager is gone (without that, most such stops made it fail). Also
     no averager hangs on a download task collected mid-flight (`StateDonors._download_state`)."""
     _print_thread_tracebacks()
-    node = Node(NodeOptions(run_id="cleanstop", host="127.0.0.1"))
+    node = Node(NodeSettings(run_id="cleanstop", host="127.0.0.1"))
     node.start()
     try:
         for _ in range(4):
@@ -126,7 +126,7 @@ def test_averager_stopped_with_dht_requests_in_flight(stderr: Callable[[], str])
 def test_averager_stops_quietly_once_p2pd_is_gone(stderr: Callable[[], str]) -> None:
     """As after a SIGTERM to the whole process group: p2pd (the DHT process's child) has exited first."""
     _print_thread_tracebacks()
-    node = Node(NodeOptions(run_id="cleanstop", host="127.0.0.1"))
+    node = Node(NodeSettings(run_id="cleanstop", host="127.0.0.1"))
     node.start()
     try:
         group = _averager(node)

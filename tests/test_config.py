@@ -20,8 +20,8 @@ from dilocod.config import (
     load_config,
 )
 from dilocod.diloco.outer import OuterConfig
-from dilocod.node.deadlines import resolve_deadlines
-from dilocod.trainer.data import DataConfig
+from dilocod.node.autodeadlines import resolve_deadlines
+from dilocod.trainer.batches import DataConfig
 from dilocod.trainer.model import PRESETS, ModelConfig
 from dilocod.trainer.settings import TrainerConfig
 

@@ -1,4 +1,4 @@
-"""Which copy of the run's dataset a node uses (dilocod/data/local.py `find_local_copy`), as a table."""
+"""Which copy of the run's dataset a node uses (dilocod/data/localcopy.py `find_local_copy`), as a table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dilocod.data.errors import DataError
-from dilocod.data.local import find_local_copy, source_dataset
+from dilocod.data.localcopy import find_local_copy, source_dataset
 from dilocod.data.prepare import prepare
 from dilocod.data.settings import DataConfig
 from dilocod.data.shards import load_index

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.data.local import VERIFIED_FILE, missing_train_shards, open_dataset
+from dilocod.data.localcopy import VERIFIED_FILE, missing_train_shards, open_dataset
 from dilocod.data.prepare import prepare
 from dilocod.data.shards import INDEX_FILE, load_index
 from dilocod.data.tokenizer import train_bpe

@@ -16,7 +16,7 @@ from dilocod.diloco.outer import global_sha256
 from dilocod.manifest.pinhf import check_local_hf_config, pin_hf_config, read_config_dir
 from dilocod.manifest.record import decode, issue, summary
 from dilocod.trainer import InnerTrainer
-from dilocod.trainer.data import Corpus
+from dilocod.trainer.batches import Corpus
 from dilocod.trainer.hfmodel import HFCausalLM
 from dilocod.trainer.lm import build_lm, hf_config_sha256, lm_skeleton, model_name
 from dilocod.trainer.model import ModelConfig

@@ -31,7 +31,11 @@ BAD_IMPORTS = [
     ("peers/vote.py", "\nimport dilocod.files\n", "dilocod, then the networking layer"),
     ("proto/schema.py", "\nimport peers.vote\n", "dilocod, then the networking layer"),
     ("dilocod/codecs/__init__.py", "\nimport hivemind\n", "know nothing of the network"),
-    ("dilocod/trainer/local.py", "\ndef _net():\n    import peers.node\n", "know nothing of the network"),
+    (
+        "dilocod/trainer/localgroup.py",
+        "\ndef _net():\n    import peers.node\n",
+        "know nothing of the network",
+    ),
 ]
 
 

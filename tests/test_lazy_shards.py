@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from dilocod.data.errors import DataError
-from dilocod.data.local import missing_train_shards, open_dataset
+from dilocod.data.localcopy import missing_train_shards, open_dataset
 from dilocod.data.schedule import Grant
 from dilocod.data.shards import TokenStream
 from dilocod.node.shardfetch import LazyShards, server_maddrs
 from dilocod.observability.peerstate import ShardProgress
-from dilocod.trainer.data import PresentSampler
+from dilocod.trainer.batches import PresentSampler
 
 
 def test_a_partial_copy_opens_and_knows_which_shards_a_chunk_needs(partial_dataset: Path) -> None:

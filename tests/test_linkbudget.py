@@ -1,4 +1,4 @@
-"""Deadlines from the model and the link (`peers/linkbudget.py`, `dilocod/node/deadlines.py`)."""
+"""Deadlines from the model and the link (`peers/linkbudget.py`, `dilocod/node/autodeadlines.py`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dilocod.config import load_config
-from dilocod.node.deadlines import auto_keys, model_size, resolve_deadlines
+from dilocod.node.autodeadlines import auto_keys, model_size, resolve_deadlines
 from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.linkbudget import (
     DEFAULT_RATE,
     MBIT,
@@ -124,7 +124,7 @@ def test_a_first_round_cut_by_its_deadline_halves_the_assumed_link() -> None:
 
 
 def _group(link: LinkRule | None) -> GroupAverager:
-    options = AveragingOptions(target_group_size=3, allreduce_timeout=60.0, link=link)
+    options = AveragingSettings(target_group_size=3, allreduce_timeout=60.0, link=link)
     return GroupAverager(None, [torch.zeros(4)], options, None)  # type: ignore[arg-type]  # never started
 
 

@@ -1,4 +1,4 @@
-"""The local data-parallel group (dilocod.trainer.local) on CPU: rank 0 in this process, rank 1 a real
+"""The local data-parallel group (dilocod.trainer.localgroup) on CPU: rank 0 in this process, rank 1 a real
 worker process, gloo between them. Starts processes, so it is marked `integration`."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from dilocod.data.cursor import ChunkCursor
-from dilocod.data.local import open_corpus, open_dataset
+from dilocod.data.localcopy import open_corpus, open_dataset
 from dilocod.data.schedule import Grant
 from dilocod.node.shardfetch import LazyShards
 from dilocod.observability.peerstate import ShardProgress
 from dilocod.trainer import DataConfig, InnerTrainer, LocalGroup, LocalGroupError, ModelConfig, TrainerConfig
-from dilocod.trainer.data import PresentSampler, ShardSampler
-from dilocod.trainer.local import params_sha256
+from dilocod.trainer.batches import PresentSampler, ShardSampler
+from dilocod.trainer.localgroup import params_sha256
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dilocod.config import ConfigError, load_config
-from dilocod.trainer.data import Corpus, DataConfig
+from dilocod.trainer.batches import Corpus, DataConfig
 from dilocod.trainer.inner import InnerTrainer
 from dilocod.trainer.model import ModelConfig
 from dilocod.trainer.settings import TrainerConfig

@@ -14,7 +14,7 @@ from hivemind.p2p import P2P, PeerID
 from dilocod.node.demo import free_port
 from peers.auth import Identity
 from peers.errors import PeersError
-from peers.node import Node, NodeOptions, retry_pause
+from peers.node import Node, NodeSettings, retry_pause
 
 pytestmark = pytest.mark.integration  # real processes, servers or namespaces: not in `make test-fast`
 
@@ -34,7 +34,7 @@ def _future_bootstrap(tmp_path: Path) -> tuple[str, str, int]:
 
 def test_a_start_waits_for_a_bootstrap_that_comes_up_late(tmp_path: Path) -> None:
     key, maddr, port = _future_bootstrap(tmp_path)
-    joiner = Node(NodeOptions(run_id="late", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=40))
+    joiner = Node(NodeSettings(run_id="late", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=40))
     errors: list[BaseException] = []
 
     def join() -> None:
@@ -46,7 +46,7 @@ def test_a_start_waits_for_a_bootstrap_that_comes_up_late(tmp_path: Path) -> Non
     thread = threading.Thread(target=join)
     thread.start()
     time.sleep(5)  # the joiner's first ping has failed by now
-    boot = Node(NodeOptions(run_id="late", host="127.0.0.1", port=port, identity_path=key))
+    boot = Node(NodeSettings(run_id="late", host="127.0.0.1", port=port, identity_path=key))
     try:
         boot.start()
         thread.join(timeout=60)
@@ -64,7 +64,7 @@ def test_a_start_waits_for_a_bootstrap_that_comes_up_late(tmp_path: Path) -> Non
 
 def test_nobody_there_still_ends_in_one_line_after_the_wait(tmp_path: Path) -> None:
     _, maddr, _ = _future_bootstrap(tmp_path)
-    node = Node(NodeOptions(run_id="none", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=2))
+    node = Node(NodeSettings(run_id="none", initial_peers=(maddr,), host="127.0.0.1", bootstrap_wait=2))
     started = time.monotonic()
     with pytest.raises(PeersError) as info:
         node.start()

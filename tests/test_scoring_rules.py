@@ -112,7 +112,7 @@ def test_ratings_gate_a_failing_peer_then_ban_it_and_let_a_recovered_one_back() 
     ]
 
 
-# ---- ratings from published verdicts (dilocod/node/scoring.py folds them) ----------------------------
+# ---- ratings from published verdicts (dilocod/node/scorer.py folds them) ----------------------------
 
 
 def test_ratings_fold_verdicts_in_step_order_whatever_order_they_were_read() -> None:

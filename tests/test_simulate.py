@@ -18,8 +18,8 @@ from bench.sim.schedule import RoundPlan, plan_rounds, relative_speeds
 from bench.sim.settings import SimOptions
 from bench.sim.variants import Runner, Variant
 from bench.simulate import main
-from dilocod.aggregation import ReducerConfig, ScreeningConfig
-from dilocod.aggregation.pipeline import make_part_reduce
+from dilocod.aggregation import ReducerSettings, ScreeningSettings
+from dilocod.aggregation.partrules import make_part_reduce
 from dilocod.config import load_config
 from dilocod.trainer import InnerTrainer, load_corpus
 from tests.harness import FAST, REPO, Swarm, round_results
@@ -102,7 +102,7 @@ def test_speeds_weight_contributions_by_their_tokens_capped_like_the_daemon() ->
 
 
 def test_the_group_average_is_the_token_weighted_mean() -> None:
-    reduce_part = make_part_reduce(ReducerConfig("mean"), ScreeningConfig())
+    reduce_part = make_part_reduce(ReducerSettings("mean"), ScreeningSettings())
     a, b = torch.full((3, 2), 1.0), torch.full((3, 2), 5.0)
     (averaged,) = group_average([[a], [b]], [3000.0, 1000.0], reduce_part, None)
     torch.testing.assert_close(averaged, torch.full((3, 2), 2.0))

@@ -1,4 +1,4 @@
-"""peers/statedonors.py: our declaration as a state donor ends quietly when the DHT is too slow for it, and a
+"""peers/state/donors.py: our declaration as a state donor ends quietly when the DHT is too slow for it, and a
 donor's stream that lost parts of a tensor is refused with the count."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import split_for_streaming
 
-from peers.statedonors import _tensor_from_parts, declared
+from peers.state.donors import _tensor_from_parts, declared
 
 
 def test_a_declaration_the_dht_never_answers_ends_when_it_would_expire(
@@ -27,7 +27,7 @@ def test_a_declaration_the_dht_never_answers_ends_when_it_would_expire(
         await declared(store, get_dht_time() + 0.3)
         return time.monotonic() - started
 
-    with caplog.at_level(logging.DEBUG, logger="peers.statedonors"):
+    with caplog.at_level(logging.DEBUG, logger="peers.state.donors"):
         waited = asyncio.run(main())
     assert 0.25 < waited < 2.0
     assert "did not land before it expired" in caplog.text  # a debug line, not an ERROR from asyncio

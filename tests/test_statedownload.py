@@ -1,4 +1,4 @@
-"""The state download in parts from several donors (peers/statedownload.py, peers/stateshare.py,
+"""The state download in parts from several donors (peers/state/download.py, peers/state/share.py,
 proto/state.py): honest donors share the work, a liar is named and its parts come from others, a slow or
 cut donor's parts are re-queued, a cut download resumes from the parts it kept, and the wire carries it
 all between real p2pd daemons."""
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from peers.auth import RunAuth
-from peers.statedownload import IN_FLIGHT, PartsDownload
-from peers.stateshare import P2PStateClient, Snapshot, StateRefused, StateServer, part_size
+from peers.state.download import IN_FLIGHT, PartsDownload
+from peers.state.share import P2PStateClient, Snapshot, StateRefused, StateServer, part_size
 from proto import ProtoError, encode_state_meta
 from proto.state import decode_state_head, decode_state_part, decode_state_request, encode_state_request
 from tests.test_datashare import nodes

@@ -1,4 +1,4 @@
-"""The host's answer to a state download keeps nothing once sent (peers/statefetch.py): hivemind's own
+"""The host's answer to a state download keeps nothing once sent (peers/state/fetch.py): hivemind's own
 thread held the last served snapshot, in shared memory, until the next download."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from hivemind.utils import MSGPackSerializer
 
-from peers.statefetch import forgetful_state_thread, serve_state_requests
+from peers.state.fetch import forgetful_state_thread, serve_state_requests
 
 
 class FakePipe:

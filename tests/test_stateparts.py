@@ -1,10 +1,10 @@
-"""The part plan of a multi-donor state download (`peers/stateparts.py`): pure bookkeeping, every case."""
+"""The part plan of a multi-donor state download (`peers/state/parts.py`): pure bookkeeping, every case."""
 
 from __future__ import annotations
 
 import pytest
 
-from peers.stateparts import Part, PartPlan, agreed_digests, resumed_parts, split_parts
+from peers.state.parts import Part, PartPlan, agreed_digests, resumed_parts, split_parts
 
 DIGESTS = ("d0", "d1", "d2", "d3")
 

@@ -22,7 +22,7 @@ from dilocod.diloco.fragments import fragment_of, mix, split_fragments
 from dilocod.diloco.outer import OuterConfig, OuterOptimizer
 from dilocod.node.helper import parameter_shapes
 from dilocod.trainer.model import ModelConfig
-from peers.group import AveragingOptions, GroupAverager, RoundOutcome
+from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.grouping import round_group_bits
 from tests.averagers import started_averagers
 from tests.fakes import round_ticket
@@ -113,7 +113,7 @@ FRAGMENT_ELEMENTS = 290_000
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[GroupAverager]]:
-    options = AveragingOptions(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
+    options = AveragingSettings(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0)
     with started_averagers("streamtest", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
         yield groups
 

@@ -134,10 +134,10 @@ def test_alone_peer_keeps_training_and_bad_records_are_dropped(swarm: Callable[.
 
     import hivemind
 
-    from peers.node import Node, NodeOptions
+    from peers.node import Node, NodeSettings
 
     dht = hivemind.DHT(initial_peers=[s.maddr], start=True, client_mode=True)
-    stranger = Node(NodeOptions(run_id="dilocod", initial_peers=(s.maddr,), host="127.0.0.1"))
+    stranger = Node(NodeSettings(run_id="dilocod", initial_peers=(s.maddr,), host="127.0.0.1"))
     try:
         dht.store("dilocod.status", subkey="mallory", value=b"\x93garbage", expiration_time=time.time() + 60)
         dht.store("dilocod.status", subkey="eve", value={"not": "bytes"}, expiration_time=time.time() + 60)

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from dilocod.data.local import source_dataset
+from dilocod.data.localcopy import source_dataset
 from dilocod.data.shards import TokenStream
-from dilocod.trainer.data import Corpus, DataConfig, ShardSampler, TensorTokens, eval_batches, load_corpus
+from dilocod.trainer.batches import Corpus, DataConfig, ShardSampler, TensorTokens, eval_batches, load_corpus
 
 
 @pytest.fixture(scope="module")

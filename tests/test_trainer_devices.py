@@ -19,7 +19,7 @@ from dilocod.config import ConfigError, load_config
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.trainer import settings
-from dilocod.trainer.data import Corpus, DataConfig, ShardSampler
+from dilocod.trainer.batches import Corpus, DataConfig, ShardSampler
 from dilocod.trainer.inner import InnerTrainer
 from dilocod.trainer.model import ModelConfig
 from dilocod.trainer.settings import TrainerConfig, checkpointing_enabled, resolve_devices

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dilocod.trainer.data import Corpus, DataConfig
+from dilocod.trainer.batches import Corpus, DataConfig
 from dilocod.trainer.inner import InnerTrainer
 from dilocod.trainer.model import ModelConfig
 from dilocod.trainer.optim import MuonWithAdamW

@@ -8,7 +8,7 @@ What `peers/allreduce.py` does across the network, done here with the same funct
   (`peers.wirecodec`), and a copy that does not decode, is not finite or has weight 0 enters as zeros
   with weight 0 (`ExactAllReduceRunner._screen`);
 - each part is reduced by the run's `reduce_part` (screening and the configured reducer,
-  `dilocod.aggregation.pipeline`) over the senders in group order, then re-encoded once with the codec
+  `dilocod.aggregation.partrules`) over the senders in group order, then re-encoded once with the codec
   (`requantize`), which is what every member keeps.
 
 Not modelled: which member reduces which part (it changes no value), the receivers' plausibility check

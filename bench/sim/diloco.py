@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocod.aggregation.pipeline import make_part_reduce
+from dilocod.aggregation.partrules import make_part_reduce
 from dilocod.config import Config
 from dilocod.rounds.pipeline import Contribution
 from dilocod.trainer import Corpus
@@ -63,7 +63,9 @@ class _Launched:
 class DilocoRun:
     def __init__(self, cfg: Config, keys: Sequence[str], corpus: Corpus) -> None:
         self.replicas = [Replica(cfg, key, corpus) for key in keys]
-        self.reduce_part = make_part_reduce(cfg.averaging.reducer_config(), cfg.averaging.screening_config())
+        self.reduce_part = make_part_reduce(
+            cfg.averaging.reducer_settings(), cfg.averaging.screening_settings()
+        )
         self.codec = cfg.averaging.wire_codec()
         self.overlapped = cfg.outer.overlap != "none"
         self.bytes_sent = 0

@@ -8,7 +8,7 @@ from dilocod.aggregation.reducers import (
     AUTO_TAU_FACTOR,
     REDUCER_NAMES,
     Reducer,
-    ReducerConfig,
+    ReducerSettings,
     auto_tau,
     centered_clip,
     make_reducer,
@@ -17,7 +17,7 @@ from dilocod.aggregation.reducers import (
     trim_count,
     trimmed_mean,
 )
-from dilocod.aggregation.screening import ScreeningConfig, faulty, screen
+from dilocod.aggregation.screening import ScreeningSettings, faulty, screen
 from dilocod.aggregation.verify import REDUCER_NORM_FACTOR, average_bound, plausible_average
 
 __all__ = [
@@ -25,8 +25,8 @@ __all__ = [
     "REDUCER_NAMES",
     "REDUCER_NORM_FACTOR",
     "Reducer",
-    "ReducerConfig",
-    "ScreeningConfig",
+    "ReducerSettings",
+    "ScreeningSettings",
     "auto_tau",
     "average_bound",
     "centered_clip",

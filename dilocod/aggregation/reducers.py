@@ -88,7 +88,7 @@ def _is_number(x: object) -> bool:
 
 
 @dataclass(frozen=True)
-class ReducerConfig:
+class ReducerSettings:
     """The ``[averaging]`` reducer settings; field ``name`` is the TOML key ``averaging.reducer``."""
 
     name: str = "centered_clip"
@@ -217,7 +217,7 @@ def centered_clip(
     return v.to(torch.float32)
 
 
-def make_reducer(cfg: ReducerConfig) -> Reducer:
+def make_reducer(cfg: ReducerSettings) -> Reducer:
     """The reducer named by ``cfg.name`` with its settings bound; raises ValueError for a bad config."""
     cfg.validate()
     if cfg.name == "mean":

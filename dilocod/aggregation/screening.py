@@ -40,7 +40,7 @@ from dilocod.aggregation._det import row_sq_norms
 
 
 @dataclass(frozen=True)
-class ScreeningConfig:
+class ScreeningSettings:
     norm_ratio: float = 10.0  # TOML key averaging.screen_norm_ratio
 
     def validate(self) -> None:
@@ -70,7 +70,7 @@ def row_bounds(
     return norm_ratio * torch.minimum(median, factor * ordered[lo])
 
 
-def screen(stacked: torch.Tensor, weights: torch.Tensor, cfg: ScreeningConfig) -> torch.Tensor:
+def screen(stacked: torch.Tensor, weights: torch.Tensor, cfg: ScreeningSettings) -> torch.Tensor:
     """A new weights tensor: ``weights`` with non-finite and oversized included rows set to 0."""
     if stacked.dim() != 2 or weights.shape != (stacked.shape[0],):
         raise ValueError(
@@ -85,7 +85,7 @@ def screen(stacked: torch.Tensor, weights: torch.Tensor, cfg: ScreeningConfig) -
 
 
 def faulty(
-    stacked: torch.Tensor, before: torch.Tensor, after: torch.Tensor, cfg: ScreeningConfig | None = None
+    stacked: torch.Tensor, before: torch.Tensor, after: torch.Tensor, cfg: ScreeningSettings | None = None
 ) -> list[int]:
     """Indices of the rows ``screen`` zeroed that prove their sender lies: non-finite, or (with ``cfg``)
     beyond ``LIAR_FACTOR`` × their screening bound. Without ``cfg`` every newly zeroed row counts (the

@@ -1,7 +1,7 @@
 """The built-in corpus: the running Python's standard library sources (no download, on every machine).
 
 What it holds depends on the Python version, so it is prepared like any dataset and pinned by its hash: a
-peer on another Python takes the run's copy instead of its own (`dilocod/data/local.py`).
+peer on another Python takes the run's copy instead of its own (`dilocod/data/localcopy.py`).
 """
 
 from __future__ import annotations

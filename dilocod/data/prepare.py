@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from dilocod.data.errors import DataError
 from dilocod.data.preppass import STATE_VERSION, BatchEncoder, EncodedSplit, PreparePass, batches, eval_score
-from dilocod.data.prepsplit import PrepareConfig
+from dilocod.data.prepsplit import PrepareSettings
 from dilocod.data.prepstate import clean, drop_remainders, finished, save_pass, save_state, start_state
 from dilocod.data.shards import (
     INDEX_FILE,
@@ -45,7 +45,7 @@ __all__ = ["eval_score", "prepare"]
 
 @dataclass
 class _Job:
-    cfg: PrepareConfig
+    cfg: PrepareSettings
     tok: Tokenizer
     documents: Callable[[], Iterable[Document]]  # a fresh iteration over every document, per pass
     batch_documents: int
@@ -129,7 +129,7 @@ def prepare(
     raw = tokenizer_json(tokenizer)
     tok = load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    cfg = PrepareConfig(
+    cfg = PrepareSettings(
         out=Path(out),
         dtype=shard_dtype(vocab_size),
         eos=eos_id(tok),
@@ -169,7 +169,7 @@ def _run(job: _Job, state: dict[str, Any] | None) -> DatasetIndex:
     return _write_index(cfg, p)
 
 
-def _write_index(cfg: PrepareConfig, p: PreparePass) -> DatasetIndex:
+def _write_index(cfg: PrepareSettings, p: PreparePass) -> DatasetIndex:
     splits = {name: w.finish() for name, w in p.writers.items()}
     atomic_write(cfg.out / TOKENIZER_FILE, [cfg.tokenizer_raw])
     obj = index_object(

@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dilocod.data.errors import DataError
-from dilocod.data.prepsplit import PrepareConfig, SplitWriter
+from dilocod.data.prepsplit import PrepareSettings, SplitWriter
 from dilocod.data.shards import SPLITS
 from dilocod.data.sources import Document
 from dilocod.data.tokenizer import is_byte_tokenizer
@@ -38,7 +38,7 @@ class EncodedSplit:
 class BatchEncoder:
     """Texts -> one split's token stream (each document's ids, then EOS)."""
 
-    def __init__(self, tok: Tokenizer, cfg: PrepareConfig) -> None:
+    def __init__(self, tok: Tokenizer, cfg: PrepareSettings) -> None:
         self.tok = tok
         self.cfg = cfg
         # The byte tokenizer's ids are the UTF-8 bytes: numpy does in one copy what the library does per token.
@@ -83,7 +83,7 @@ class PreparePass:
     splits are non-empty, as the dataset spec requires. Documents are counted by ordinal (every one the
     sources yield, empty ones too), which is what a resumed pass skips."""
 
-    cfg: PrepareConfig
+    cfg: PrepareSettings
     override: dict[str, Any] | None = None
     consumed: int = 0
     nonempty: int = 0

@@ -21,7 +21,7 @@ REMAINDER_PREFIX = ".prepare-"
 
 
 @dataclass(frozen=True)
-class PrepareConfig:
+class PrepareSettings:
     out: Path
     dtype: str
     eos: int
@@ -37,7 +37,7 @@ class SplitWriter:
     """One split's counts, its written shards and the tokens waiting for the next shard."""
 
     name: str
-    cfg: PrepareConfig
+    cfg: PrepareSettings
     documents: int = 0
     tokens: int = 0
     text_bytes: int = 0

@@ -9,7 +9,7 @@ from typing import Any
 
 from dilocod.data.errors import DataError
 from dilocod.data.preppass import STATE_VERSION, PreparePass
-from dilocod.data.prepsplit import REMAINDER_PREFIX, PrepareConfig
+from dilocod.data.prepsplit import REMAINDER_PREFIX, PrepareSettings
 from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, load_index
 from dilocod.files import atomic_write
 
@@ -52,7 +52,7 @@ def clean(out: Path) -> None:
             path.unlink()
 
 
-def finished(cfg: PrepareConfig, state: dict[str, Any]) -> DatasetIndex | None:
+def finished(cfg: PrepareSettings, state: dict[str, Any]) -> DatasetIndex | None:
     """The index of a finished prepare of these arguments whose files are all still in place."""
     if not state.get("done"):
         return None
@@ -69,7 +69,7 @@ def finished(cfg: PrepareConfig, state: dict[str, Any]) -> DatasetIndex | None:
     return index
 
 
-def start_state(cfg: PrepareConfig) -> dict[str, Any] | None:
+def start_state(cfg: PrepareSettings) -> dict[str, Any] | None:
     """The saved state to continue from (None: start afresh); DataError for a directory that is not ours."""
     out = cfg.out
     if out.exists() and not out.is_dir():

@@ -25,8 +25,8 @@ from dilocod.data.tokenizer import eos_id
 from dilocod.export.errors import ExportError
 from dilocod.export.hf import WEIGHTS_FILE, to_llama
 from dilocod.export.hfexport import write_hf_model
+from dilocod.export.hftokenizer import write_tokenizer
 from dilocod.export.run import RunModel, read_run, run_tokenizer
-from dilocod.export.tokenizer import write_tokenizer
 from dilocod.files import fsync_dir
 from dilocod.trainer.lm import hf_config_sha256
 from dilocod.trainer.model import ModelSpec

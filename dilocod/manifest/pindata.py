@@ -1,6 +1,6 @@
 """The run's data in its manifest: the dataset's index hash and the vocabulary it gives the model.
 
-The node that starts a run prepares or opens the dataset its `data.source` names (`dilocod/data/local.py`)
+The node that starts a run prepares or opens the dataset its `data.source` names (`dilocod/data/localcopy.py`)
 and writes what identifies it into the run-wide settings it signs: `data.dataset` (the index hash, which
 also pins the tokenizer: the index holds its sha256) and `model.vocab_size` (the tokenizer's vocabulary,
 rounded up to a multiple of 64). A path would mean nothing on another machine; a hash means the same bytes
@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dilocod.config import Config, ConfigError
-from dilocod.data.local import open_dataset, source_dataset
+from dilocod.data.localcopy import open_dataset, source_dataset
 from dilocod.data.tokenizer import padded_vocab
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from dilocod import __version__
 from dilocod.config import Config
-from dilocod.data.local import open_dataset
+from dilocod.data.localcopy import open_dataset
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
 from dilocod.node.chunks import ChunkService, serve_no_schedule, start_service
@@ -29,7 +29,7 @@ from dilocod.observability.scoreview import published_verdicts, score_view
 from dilocod.trust.scoring import RatingRule
 from peers.datashare import DataServer
 from peers.errors import PeersError
-from peers.node import Node, NodeOptions, first_public_maddrs
+from peers.node import Node, NodeSettings, first_public_maddrs
 from peers.reachability import free_ports
 from peers.relay import RELAY_IDENTITIES, RelayProcess, public_ipv4
 
@@ -80,7 +80,7 @@ class BootstrapDaemon:
         loop = asyncio.get_running_loop()
         try:
             self.node = Node(
-                NodeOptions(
+                NodeSettings(
                     run_id=self.args.run_id,
                     initial_peers=self.args.initial_peers,
                     host=self.args.host,

@@ -15,7 +15,7 @@ from typing import Any
 
 from dilocod.config import Config
 from dilocod.data.errors import DataError
-from dilocod.data.local import missing_train_shards
+from dilocod.data.localcopy import missing_train_shards
 from dilocod.data.shards import load_index
 from dilocod.node.chunks import (
     ChunkService,
@@ -32,7 +32,7 @@ from dilocod.node.shardfetch import LazyShards, server_maddrs, shard_fetcher
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import read_run
-from dilocod.trainer.data import PresentSampler
+from dilocod.trainer.batches import PresentSampler
 
 
 class DataFeed:

@@ -25,7 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dilocod.config import Config
 from dilocod.data.errors import DataError
-from dilocod.data.local import find_local_copy, open_dataset, run_data_dir
+from dilocod.data.localcopy import find_local_copy, open_dataset, run_data_dir
 from dilocod.data.shards import INDEX_FILE, TOKENIZER_FILE, DatasetIndex, ShardInfo, parse_index
 from dilocod.manifest.obtain import Joined
 from dilocod.observability.metrics import Metrics

@@ -34,8 +34,8 @@ from dilocod.export.run import BYTE_VOCAB, RunModel, check_params, run_tokenizer
 from dilocod.manifest.adopt import adopt
 from dilocod.manifest.obtain import fetch
 from dilocod.manifest.record import Manifest
-from dilocod.node.deadlines import resolve_deadlines
-from dilocod.node.groupoptions import averaging_options
+from dilocod.node.autodeadlines import resolve_deadlines
+from dilocod.node.groupsettings import averaging_settings
 from dilocod.observability.runview import read_run
 from dilocod.statesync.ledger import remember_hashes
 from dilocod.trainer.lm import lm_skeleton
@@ -44,7 +44,7 @@ from peers.datafetch import fetch_file, remote_size
 from peers.datashare import DataFetchError
 from peers.errors import PeersError
 from peers.group import DownloadedState, GroupAverager
-from peers.node import Node, NodeOptions, parse_multiaddr
+from peers.node import Node, NodeSettings, parse_multiaddr
 from peers.runinfo import dial, start_client
 from proto import ProtoError, decode_state_meta
 
@@ -142,7 +142,7 @@ async def _small(p2p: Any, peer: Any, name: str, sha256: str, tmp: Path) -> Path
 async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, maddr: str) -> RunModel:
     """θ_global from a donor, checked as the module's docstring says, with what identifies it."""
     family = "::" if ":" in cfg.net.host else "0.0.0.0"
-    options = NodeOptions(
+    options = NodeSettings(
         run_id=manifest.run_id, initial_peers=(maddr,), host=family, client_mode=True,
         auth=cfg.run.auth(), bootstrap_wait=MANIFEST_SECONDS,
     )  # fmt: skip
@@ -154,7 +154,7 @@ async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, mad
         raise ExportError(str(e)) from None
     # This client never averages: its averager holds a one-element buffer, not a copy of the model.
     group = GroupAverager(
-        node, [torch.zeros(1)], averaging_options(cfg, "client", run_tag=manifest.hash), None
+        node, [torch.zeros(1)], averaging_settings(cfg, "client", run_tag=manifest.hash), None
     )
     try:
         group.start()  # forks the averager process: from the main thread, as the peer does

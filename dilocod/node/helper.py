@@ -21,8 +21,8 @@ import torch
 from dilocod import __version__
 from dilocod.config import Config
 from dilocod.diloco.fragments import fragment_of, split_fragments
-from dilocod.node.deadlines import resolve_deadlines
-from dilocod.node.groupoptions import averaging_options
+from dilocod.node.autodeadlines import resolve_deadlines
+from dilocod.node.groupsettings import averaging_settings
 from dilocod.observability.runview import HELPERS_KEY, NodeRunView
 from dilocod.rounds import clock, helperclock
 from dilocod.trainer.lm import lm_skeleton
@@ -49,7 +49,7 @@ class AuxReducer:
         self.num_elements = sum(s.numel() for s in shapes)
         self.template = [torch.zeros(s) for s in shapes]
         # As the peers', but taking no trainer's seat; only the run's manifest's trainers meet us.
-        options = averaging_options(cfg, "aux", run_tag=manifest_hash, link=link)
+        options = averaging_settings(cfg, "aux", run_tag=manifest_hash, link=link)
         self.group = GroupAverager(node, self.template, options, state_provider=None)
         # Streaming DiLoCo: each round averages one fragment, split exactly as the peers split it.
         self.fragments = (

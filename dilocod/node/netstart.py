@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from dilocod.config import Config
-from dilocod.node.groupoptions import averaging_options
+from dilocod.node.groupsettings import averaging_settings
 from dilocod.node.runtime import install_stop_signals
 from dilocod.trust.hooks import HONEST, Tampering
 from peers.auth import ensure_identity
 from peers.group import GroupAverager
 from peers.linkbudget import LinkRule
-from peers.node import Node, NodeOptions, first_public_maddrs
+from peers.node import Node, NodeSettings, first_public_maddrs
 from peers.reachability import Reachability, detect_reachability, free_tcp_port
 
 log = logging.getLogger("dilocod.netstart")
@@ -69,7 +69,7 @@ async def start_network(
     # A private peer offered relays that carry tensors (`dilocod bootstrap --relay`) becomes a full
     # node reachable through them: NAT↔NAT averaging without a public reducer in between.
     via_relay = not reach.public and bool(reach.relays)
-    node_options = NodeOptions(
+    node_settings = NodeSettings(
         run_id=cfg.run.id,
         initial_peers=tuple(initial_peers),
         host=net.host,
@@ -82,7 +82,7 @@ async def start_network(
         trusted_relays=reach.relays if via_relay else (),
         auth=cfg.run.auth(),  # signs our records; refuses peers without the run key
     )
-    node = Node(node_options)
+    node = Node(node_settings)
     await loop.run_in_executor(None, node.start)
     if via_relay and not await node.await_relay_reservation(RELAY_RESERVATION_SECONDS):
         # A full node nobody can reach would stall every group it joins: be a client instead.
@@ -92,10 +92,10 @@ async def start_network(
         )
         await loop.run_in_executor(None, node.stop)
         via_relay = False
-        node = Node(replace(node_options, client_mode=True, auto_relay=False, trusted_relays=()))
+        node = Node(replace(node_settings, client_mode=True, auto_relay=False, trusted_relays=()))
         await loop.run_in_executor(None, node.start)
     client = not (reach.public or via_relay)
-    options = averaging_options(
+    options = averaging_settings(
         cfg,
         "client" if client else "node",
         run_tag=run_tag,

@@ -24,17 +24,17 @@ from typing import Any
 from dilocod.config import Config
 from dilocod.manifest.book import ManifestBook
 from dilocod.manifest.record import Manifest
+from dilocod.node.autodeadlines import resolve_deadlines
 from dilocod.node.averaging import PeerAveraging
 from dilocod.node.coreshare import CoreShare, machine_share
 from dilocod.node.datafeed import DataFeed
 from dilocod.node.dataset import fetch_dataset, local_dataset, serve_dataset, served_status
-from dilocod.node.deadlines import resolve_deadlines
 from dilocod.node.initweights import ensure_init, served_init
 from dilocod.node.judge import Judge
 from dilocod.node.netstart import Network, peer_key, start_network
 from dilocod.node.publishing import CheckpointWriter, StatusPublisher
 from dilocod.node.resume import Resumed, build_trainer, checkpoint_payload
-from dilocod.node.scoring import ContributionScoring
+from dilocod.node.scorer import ContributionScoring
 from dilocod.node.training import TrainerThread
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
@@ -60,8 +60,8 @@ from dilocod.trust.bans import BanList
 from peers import heap
 from peers.datashare import DataServer
 from peers.linkbudget import MBIT
-from peers.statedownload import PartsDownload
-from peers.stateshare import StateServer
+from peers.state.download import PartsDownload
+from peers.state.share import StateServer
 
 log = logging.getLogger("dilocod.daemon")
 
@@ -239,7 +239,7 @@ class PeerDaemon:
         return "::1" if ":" in self.cfg.net.host else "127.0.0.1"  # the short-lived client only dials out
 
     async def _parts_source(self, resumed: Resumed, network: Network) -> PartsSource:
-        """Our state downloads in parts from several donors at once (peers/statedownload.py)."""
+        """Our state downloads in parts from several donors at once (peers/state/download.py)."""
         download = PartsDownload(
             await network.node.state_client(),
             max_bytes=3 * 4 * resumed.outer.num_elements,  # θ_global, momentum, a round in flight (fp32)
@@ -355,7 +355,7 @@ class PeerDaemon:
         return self.sync.current()
 
     def _state_or_none(self) -> tuple[bytes, list[Any]] | None:
-        """What a peer downloading our state in parts gets (peers/stateshare.py); None before we have one."""
+        """What a peer downloading our state in parts gets (peers/state/share.py); None before we have one."""
         if self.state_server is not None:
             self.state.facts.state_served = self.state_server.status()
         return None if self.sync is None or self.sync.snapshot is None else self.sync.current()

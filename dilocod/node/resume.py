@@ -20,7 +20,7 @@ import torch
 from dilocod.codecs import ErrorFeedback
 from dilocod.config import Config
 from dilocod.data.cursor import ChunkCursor
-from dilocod.data.local import open_corpus
+from dilocod.data.localcopy import open_corpus
 from dilocod.diloco import OuterOptimizer
 from dilocod.diloco.fragments import split_fragments
 from dilocod.export.errors import ExportError

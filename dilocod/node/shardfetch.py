@@ -26,7 +26,7 @@ import numpy as np
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from dilocod.data.local import missing_train_shards
+from dilocod.data.localcopy import missing_train_shards
 from dilocod.data.schedule import Grant
 from dilocod.data.shards import DatasetIndex
 from dilocod.node.dataset import DIAL_SECONDS, Fetcher

@@ -78,7 +78,7 @@ class Metrics:
         self.rounds = Counter("dilocod_rounds", "Outer rounds by result", ["result"], registry=r)
         self.resyncs = Counter("dilocod_resyncs", "State downloads that replaced θ_global", registry=r)
         self.peers_known = Gauge("dilocod_peers_known", "Other live peers of this run", registry=r)
-        # Contribution scoring (dilocod/node/scoring.py).
+        # Contribution scoring (dilocod/node/scorer.py).
         self.scores_computed = Counter(
             "dilocod_scores_computed",
             "Contributions this peer scored (fetched and measured, or failed)",

@@ -1,7 +1,7 @@
 """What the run's scorers say about each peer, for `/api/run` `scoring` and the dashboard: every verdict the
 scorers published (`dilocod.scores` records, proto/scores.py), each peer's rating and whether it is gated.
 
-A trainer in the run computes ratings only from the verdicts it can check (dilocod/node/scoring.py:
+A trainer in the run computes ratings only from the verdicts it can check (dilocod/node/scorer.py:
 the scorer was assigned that contributor in a round it was in); a node that was not in the rounds (the
 bootstrap) folds every verdict as published, and says so (`verified: false`).
 """

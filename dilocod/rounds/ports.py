@@ -98,7 +98,7 @@ class Publisher(Protocol):
 
 
 class Scoring(Protocol):
-    """Contribution scoring (dilocod/node/scoring.py): optional."""
+    """Contribution scoring (dilocod/node/scorer.py): optional."""
 
     def sent(
         self, step: int, sent: list[torch.Tensor], indices: list[int] | None, tokens: int, chunks: list[int]

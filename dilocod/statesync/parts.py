@@ -1,5 +1,5 @@
 """The multi-donor state download as a re-syncing peer uses it: donors from the run's records, progress to
-`/api/status` (`state_fetch`) and the log. The download itself is peers/statedownload.py."""
+`/api/status` (`state_fetch`) and the log. The download itself is peers/state/download.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peers.group import DownloadedState
-from peers.statedownload import MAX_DONORS, PartsDownload
+from peers.state.download import MAX_DONORS, PartsDownload
 
 log = logging.getLogger("dilocod.statesync")
 

@@ -4,10 +4,10 @@ Depends on torch and the standard library only, so it can be tested and benchmar
 any networking stack.
 """
 
-from .data import Corpus, DataConfig, DataError, ShardSampler, eval_batches, load_corpus
+from .batches import Corpus, DataConfig, DataError, ShardSampler, eval_batches, load_corpus
 from .flops import flops_per_token, known_peak_flops, mfu
 from .inner import InnerTrainer, StepStats
-from .local import LocalGroup, LocalGroupError
+from .localgroup import LocalGroup, LocalGroupError
 from .model import PRESETS, ModelConfig, ModelSpec, Transformer, build_model, count_params
 from .settings import TrainerConfig, lr_at, resolve_device, resolve_devices
 

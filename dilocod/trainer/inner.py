@@ -23,7 +23,7 @@ from dilocod.data.corpus import TokenSource, as_source
 from dilocod.data.cursor import ChunkCursor
 
 from . import flops
-from .data import (
+from .batches import (
     Corpus,
     DataConfig,
     Sampler,

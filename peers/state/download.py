@@ -1,4 +1,4 @@
-"""A state download from several donors at once, driven by the part plan (peers/stateparts.py).
+"""A state download from several donors at once, driven by the part plan (peers/state/parts.py).
 
 Every donor is asked for the head of the snapshot it serves (proto/state.py); the heads most donors agree
 on (the same metadata apart from its time, the same tensor shapes and part digests) set the plan, and the
@@ -10,7 +10,7 @@ the queue. A download that ends unfinished (its deadline passed, every donor fai
 the next one, if its heads describe the same layout, keeps the parts whose bytes still match.
 
 The whole θ_global is not checked here: the caller holds it to the run's reported hash, as for any state.
-The transport is passed in (`peers.stateshare.P2PStateClient` on the wire; tests give in-process fakes).
+The transport is passed in (`peers.state.share.P2PStateClient` on the wire; tests give in-process fakes).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import torch
 
-from peers.stateparts import PartPlan, agreed_digests, resumed_parts, split_parts
+from peers.state.parts import PartPlan, agreed_digests, resumed_parts, split_parts
 from proto import ProtoError, decode_state_meta
 from proto.state import parse_shape
 
-log = logging.getLogger("peers.statedownload")
+log = logging.getLogger("peers.state.download")
 
 HEAD_TIMEOUT = 10.0  # seconds a donor has to describe its snapshot
 MIN_PART_TIMEOUT = 15.0  # the least a part is given, however small

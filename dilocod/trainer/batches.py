@@ -1,7 +1,7 @@
 """What the trainer reads: a corpus of token streams, the per-peer sampling of training windows, the eval set.
 
 The streams are a prepared dataset's splits, memory-mapped from disk (`dilocod.data.shards.TokenStream`,
-opened by `dilocod.data.local`), or token tensors for tests and benchmarks. A batch is a pure function of the
+opened by `dilocod.data.localcopy`), or token tensors for tests and benchmarks. A batch is a pure function of the
 run's seed, the peer's identity and a position in its stream, so every peer derives a reproducible stream of
 batches without coordination, and the eval windows are the same on every peer.
 """
@@ -18,7 +18,7 @@ import torch
 from dilocod.data.corpus import Corpus as Corpus
 from dilocod.data.corpus import TensorTokens, TokenSource, as_source
 from dilocod.data.errors import DataError as DataError  # one error type for every data input
-from dilocod.data.local import open_corpus
+from dilocod.data.localcopy import open_corpus
 from dilocod.data.settings import DataConfig as DataConfig  # the `[data]` section lives with the data
 
 # ---------------------------------------------------------------- sampling

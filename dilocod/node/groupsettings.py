@@ -3,14 +3,14 @@ auxiliary reducers (bootstrap, helper), which must match in everything but their
 
 from __future__ import annotations
 
-from dilocod.aggregation.pipeline import make_part_check, make_part_reduce
+from dilocod.aggregation.partrules import make_part_check, make_part_reduce
 from dilocod.config import Config
-from peers.group import AveragingOptions
+from peers.group import AveragingSettings
 from peers.linkbudget import LinkRule
 from peers.partreduce import PartReply
 
 
-def averaging_options(
+def averaging_settings(
     cfg: Config,
     mode: str,
     *,
@@ -18,13 +18,13 @@ def averaging_options(
     link: LinkRule | None = None,
     reply_part: PartReply | None = None,
     check_reducers: bool = True,
-) -> AveragingOptions:
+) -> AveragingSettings:
     """Options for a trainer ("node" or "client") or an auxiliary reducer ("aux") of the run `cfg`;
     `run_tag` is the run manifest's hash (only nodes of the same manifest meet); `link`: the auto
-    deadlines that follow the measured link (`dilocod.node.deadlines.resolve_deadlines`)."""
+    deadlines that follow the measured link (`dilocod.node.autodeadlines.resolve_deadlines`)."""
     avg = cfg.averaging
     aux = mode == "aux"
-    return AveragingOptions(
+    return AveragingSettings(
         # The size a group aims for until the round driver sets it to the run's live trainers (plus
         # reducers) every round: one seat more than group_size for the bootstrap or a helper.
         target_group_size=avg.group_size + 1,
@@ -44,11 +44,11 @@ def averaging_options(
         mode=mode,
         # Every reducer of the run reduces alike, screened and robust (an honest peer would otherwise see an
         # auxiliary reducer's averages as implausible and ban it).
-        reduce_part=make_part_reduce(avg.reducer_config(), avg.screening_config()),
+        reduce_part=make_part_reduce(avg.reducer_settings(), avg.screening_settings()),
         # A trainer checks the averages it receives; `mean` is the undefended baseline, with no check either.
         check_part=None
         if aux or avg.reducer == "mean" or not check_reducers
-        else make_part_check(avg.screening_config()),
+        else make_part_check(avg.screening_settings()),
         # The run's codec: every reducer decodes, reduces and re-encodes alike.
         codec=avg.wire_codec(),
         reply_part=reply_part,  # a test-only adversary's lie (trust/hooks.py); None for every honest node

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .data import DataConfig, load_corpus
+from .batches import DataConfig, load_corpus
 from .inner import InnerTrainer, TrainerConfig
 from .model import ModelConfig
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from dilocod.aggregation.reducers import ReducerConfig, make_reducer
-from dilocod.aggregation.screening import ScreeningConfig, faulty, screen
+from dilocod.aggregation.reducers import ReducerSettings, make_reducer
+from dilocod.aggregation.screening import ScreeningSettings, faulty, screen
 from dilocod.aggregation.verify import average_bound, plausible_average
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
@@ -27,7 +27,7 @@ OWN_NORM_SLACK = 10.0
 MAX_SHARE_SCALE = 100.0
 
 
-def make_part_reduce(reducer: ReducerConfig, screening: ScreeningConfig) -> PartReduce:
+def make_part_reduce(reducer: ReducerSettings, screening: ScreeningSettings) -> PartReduce:
     reduce = make_reducer(reducer)
     defended = reducer.name != "mean"
 
@@ -42,7 +42,7 @@ def make_part_reduce(reducer: ReducerConfig, screening: ScreeningConfig) -> Part
     return reduce_part
 
 
-def make_part_check(screening: ScreeningConfig) -> PartCheck:
+def make_part_check(screening: ScreeningSettings) -> PartCheck:
     def check_part(averaged: torch.Tensor, own: torch.Tensor, own_share: float) -> bool:
         own_norm = float(torch.linalg.vector_norm(own.to(torch.float64)))
         if own_norm == 0.0 or own_share <= 0.0:  # nothing to compare with: only finiteness

@@ -32,7 +32,7 @@ from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import PeerState
 from dilocod.observability.runview import read_run
 from dilocod.observability.scoreview import SCORES_KEY, published_verdicts, score_view
-from dilocod.trainer.data import batch_at
+from dilocod.trainer.batches import batch_at
 from dilocod.trust.deltas import MAX_REQUEST, PROTOCOL, DeltaStore, fetch_delta
 from dilocod.trust.measure import Batch, measure, pick, random_starts
 from dilocod.trust.scoring import (

@@ -15,7 +15,7 @@ checked against its expected sha256 as it arrives:
   donor, which is dropped (not banned) after `max_failures`;
 - a resumed download keeps the parts whose stored bytes still match (`resumed_parts`).
 
-No I/O here: the downloader (`peers/statedownload.py`) asks the plan what to fetch from whom, and tells it
+No I/O here: the downloader (`peers/state/download.py`) asks the plan what to fetch from whom, and tells it
 what happened. `tests/test_stateparts.py` covers the cases.
 """
 

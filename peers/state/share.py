@@ -11,7 +11,7 @@ by its id, for `hold_seconds` after its last request even when the provider has 
 of the state in memory only while someone downloads it. Each snapshot's part digests are hashed once, on
 a worker thread, at its first head request.
 
-The joiner's downloader (which donor fetches which part) is peers/statedownload.py.
+The joiner's downloader (which donor fetches which part) is peers/state/download.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from proto.state import (
     format_shape,
 )
 
-log = logging.getLogger("peers.stateshare")
+log = logging.getLogger("peers.state.share")
 
 STATE_PROTOCOL = "/dilocod/state/1.0.0"
 LEN = struct.Struct(">I")
@@ -268,7 +268,7 @@ async def serve_state(p2p: P2P, provider: StateProvider, auth: RunAuth | None = 
 
 
 class P2PStateClient:
-    """The joiner's side of the wire: one stream per request (peers/statedownload.py drives it)."""
+    """The joiner's side of the wire: one stream per request (peers/state/download.py drives it)."""
 
     def __init__(self, p2p: P2P, proof: bytes = b"", stall_seconds: float = 15.0) -> None:
         self.p2p, self.proof, self.stall_seconds = p2p, proof, stall_seconds

@@ -1,5 +1,5 @@
 """Our state, for the run's peers only: serving it to peers that hold the run key, and downloading it whole
-from one donor at a time (a re-syncing peer downloads in parts from several, peers/statedownload.py, and
+from one donor at a time (a re-syncing peer downloads in parts from several, peers/state/download.py, and
 comes here only when no donor serves parts; `dilocod export --from` downloads here).
 
 A joining or re-syncing peer downloads the state (metadata and tensors) from another peer. The
@@ -36,11 +36,11 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from peers.auth import RunAuth
 from peers.membership import warn_once
-from peers.statefetch import forgetful_state_thread
+from peers.state.fetch import forgetful_state_thread
 
 StateProvider = Callable[[], tuple[bytes, Sequence[torch.Tensor]]]
 
-log = logging.getLogger("peers.statedonors")
+log = logging.getLogger("peers.state.donors")
 
 
 class StateDonors(DecentralizedAverager):
@@ -62,7 +62,7 @@ class StateDonors(DecentralizedAverager):
         self._key_holders: set[PeerID] = set()  # peers that proved the run key (rpc_present_run_key)
         self._state_provider = state_provider
         self._downloads: set[asyncio.Task[Any]] = set()  # running downloads (see `_download_state`)
-        with forgetful_state_thread():  # keeps no snapshot once served (peers/statefetch.py)
+        with forgetful_state_thread():  # keeps no snapshot once served (peers/state/fetch.py)
             super().__init__(*args, **kwargs)
 
     # ---- host side ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dilocod.config import load_config
-from dilocod.node.groupoptions import averaging_options
+from dilocod.node.groupsettings import averaging_settings
 from dilocod.trust.adversary import AdversaryConfig, tampering_for
 from peers.grouping import matchmaking_window
 
@@ -12,7 +12,7 @@ def test_aux_reducers_match_the_peers_except_for_their_seat_and_checks() -> None
     cfg = load_config(
         None, ["averaging.group_size=4", "averaging.min_group_size=2", "averaging.compression=int8"]
     )
-    peer, aux = averaging_options(cfg, "node"), averaging_options(cfg, "aux")
+    peer, aux = averaging_settings(cfg, "node"), averaging_settings(cfg, "aux")
     assert peer.target_group_size == aux.target_group_size == 5  # one seat for an auxiliary reducer
     assert (
         peer.min_group_size == aux.min_group_size == 2
@@ -26,10 +26,10 @@ def test_aux_reducers_match_the_peers_except_for_their_seat_and_checks() -> None
 
 def test_the_undefended_mean_has_no_receiver_check_and_adversaries_are_opt_in() -> None:
     cfg = load_config(None, ["averaging.reducer=mean"])
-    assert averaging_options(cfg, "client").check_part is None
-    assert averaging_options(cfg, "node").reply_part is None  # the reduced part goes back as it is
+    assert averaging_settings(cfg, "client").check_part is None
+    assert averaging_settings(cfg, "node").reply_part is None  # the reduced part goes back as it is
     lie = tampering_for(AdversaryConfig(mode="bad_reducer"), 0).reply_part()
-    assert lie is not None and averaging_options(cfg, "node", reply_part=lie).reply_part is lie
+    assert lie is not None and averaging_settings(cfg, "node", reply_part=lie).reply_part is lie
 
 
 def test_the_matchmaking_window_grows_with_the_group_it_waits_for() -> None:
