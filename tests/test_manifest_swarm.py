@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -170,14 +170,38 @@ def test_a_peer_left_with_another_manifest_never_averages_and_names_the_keys(
     assert re.search(r"every other peer runs manifest [0-9a-f]{12}", text)
 
 
-def test_no_manifest_from_the_peers_given_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    """Nobody answers at the address given: after 30 s of retries, one line naming it, exit 2."""
-    P2P.generate_identity(str(tmp_path / "nobody.key"))
-    nobody = PeerID(Identity.load(tmp_path / "nobody.key").peer_id).to_base58()
+@pytest.fixture(scope="module", autouse=True)
+def unanswered_join(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
+    """`dilocod join` at an address nobody answers at, started with the module: its 30 s of retries pass
+    while the other tests here run (it waits on the network; it takes no CPU worth speaking of)."""
+    root = tmp_path_factory.mktemp("nobody")
+    P2P.generate_identity(str(root / "nobody.key"))
+    nobody = PeerID(Identity.load(root / "nobody.key").peer_id).to_base58()
     maddr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{nobody}"
-    result = dilocod("join", maddr, "--run-dir", str(tmp_path / "run"), timeout=120)
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("dilocod: error:")]
-    assert len(errors) == 1 and "no run manifest we can take from the peers given" in errors[0], result.stderr
+    with (root / "join.err").open("w") as err:  # a file, not a pipe nobody reads for 30 s
+        join = subprocess.Popen(
+            [sys.executable, "-m", "dilocod", "join", maddr, "--run-dir", str(root / "run")],
+            stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=REPO,
+        )  # fmt: skip
+    try:
+        yield maddr, root / "run", join
+    finally:
+        if join.poll() is None:
+            join.kill()
+        join.wait()
+
+
+def test_no_manifest_from_the_peers_given_is_one_line_and_exit_2(
+    unanswered_join: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    """Nobody answers at the address given: after 30 s of retries, one line naming it, exit 2."""
+    maddr, run_dir, join = unanswered_join
+    join.wait(timeout=120)
+    stderr = (run_dir.parent / "join.err").read_text()
+    assert join.returncode == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("dilocod: error:")]
+    assert len(errors) == 1 and "no run manifest we can take from the peers given" in errors[0], stderr
     assert f"{maddr}: cannot connect" in errors[0]
-    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert not (run_dir / "checkpoint.pt").exists()

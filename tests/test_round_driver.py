@@ -16,7 +16,7 @@ import torch
 from dilocod.config import load_config
 from dilocod.diloco import OuterOptimizer
 from dilocod.node.autodeadlines import resolve_deadlines
-from dilocod.node.peer import round_settings
+from dilocod.node.roundconfig import round_settings
 from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import NodeFacts, PeerState
 from dilocod.rounds.clock import ClockSettings

@@ -34,6 +34,14 @@ from dilocod.node.judge import Judge
 from dilocod.node.netstart import Network, peer_key, start_network
 from dilocod.node.publishing import CheckpointWriter, StatusPublisher
 from dilocod.node.resume import Resumed, build_trainer, checkpoint_payload
+from dilocod.node.roundconfig import (
+    clock_settings,
+    machine_settings,
+    pipeline_settings,
+    reference_tokens,
+    round_settings,
+    sync_settings,
+)
 from dilocod.node.scorer import ContributionScoring
 from dilocod.node.training import TrainerThread
 from dilocod.observability.history import RunHistory
@@ -42,14 +50,11 @@ from dilocod.observability.metrics import Metrics
 from dilocod.observability.peerstate import InnerProgress, NodeFacts, PeerState, Phase, RoundProgress
 from dilocod.observability.progress import show_progress
 from dilocod.observability.runview import NodeRunView, flag_manifests, newest_sample, read_run
-from dilocod.rounds.clock import ClockSettings
 from dilocod.rounds.core import RoundCore
 from dilocod.rounds.driver import RoundDriver
-from dilocod.rounds.machine import MachineSettings
-from dilocod.rounds.pipeline import PipelineSettings, RoundPipeline
+from dilocod.rounds.pipeline import RoundPipeline
 from dilocod.rounds.ports import Parts
-from dilocod.rounds.settings import RoundSettings
-from dilocod.statesync.catchup import StateSync, SyncSettings
+from dilocod.statesync.catchup import StateSync
 from dilocod.statesync.checkpoint import check_checkpoint, open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
@@ -262,14 +267,13 @@ class PeerDaemon:
         judge = Judge(
             self.bans, self.state, self.metrics, network.group.set_banned, cfg.averaging.ban_seconds
         )
-        overlap = cfg.outer.overlap
         pipeline = RoundPipeline(
-            PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, network.client and overlap == "none"),
-            trainer, outer, resumed.feedback, self.tampering, cfg.averaging.wire_codec(), release=heap.trim,
+            pipeline_settings(cfg, network.client), trainer, outer, resumed.feedback, self.tampering,
+            cfg.averaging.wire_codec(), release=heap.trim,
         )  # fmt: skip
         view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
         self.sync = StateSync(
-            SyncSettings(cfg.net.status_interval, cfg.averaging.state_timeout, cfg.outer), outer, trainer, network.group, self.tampering,
+            sync_settings(cfg), outer, trainer, network.group, self.tampering,
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
             banned=self.bans.peer_ids, on_adopted=pipeline.adopted, count_bytes=self._count_download,
             parts=parts_source,
@@ -308,23 +312,12 @@ class PeerDaemon:
             sample=None if sampler is None else lambda: sampler(trainer.model), scoring=self.scoring,
         )  # fmt: skip
         fragments = pipeline.fragment_count
-        machine = MachineSettings(
-            overlapped=overlap != "none",
-            can_step_back=network.client and overlap == "none",
-            private=network.client,
-            checkpoint_every=fragments,
-        )
-        reference = cfg.trainer.inner_steps * cfg.trainer.batch_size * cfg.trainer.seq_len
-        self.state.facts.reference_tokens = reference
-        clock = ClockSettings(
-            target_tokens=cfg.round.tokens // fragments,
-            reference_tokens=reference // fragments,
-            max_seconds=cfg.round.max_seconds / fragments,
-            stale_after=max(3 * cfg.net.status_interval, 3.0),
-            join_wait=cfg.averaging.state_timeout,
-        )
+        self.state.facts.reference_tokens = reference_tokens(cfg)
         core = RoundCore(round_settings(cfg), self.state, self.metrics, outer, pipeline, resumed.tokens)
-        driver = RoundDriver(core, parts, machine, clock, self.bans, self.tampering)
+        driver = RoundDriver(
+            core, parts, machine_settings(cfg, network.client, fragments), clock_settings(cfg, fragments),
+            self.bans, self.tampering,
+        )  # fmt: skip
         training.on_step = lambda: setattr(driver.timer, "seconds_per_step", training.seconds_per_step)
         return driver
 
@@ -471,17 +464,3 @@ class PeerDaemon:
             return []
         records = await read_run(self.network.node, self.metrics, self.history)
         return flag_manifests(records, self.args.manifest.hash)
-
-
-def round_settings(cfg: Config) -> RoundSettings:
-    """What the round components read of the config (they never see the whole of it)."""
-    averaging = cfg.averaging
-    return RoundSettings(
-        status_interval=cfg.net.status_interval,
-        matchmaking_timeout=averaging.matchmaking_timeout,
-        min_matchmaking_time=averaging.min_matchmaking_time,
-        request_timeout=averaging.request_timeout,
-        state_timeout=averaging.state_timeout,
-        eval_every=cfg.trainer.eval_every,
-        sample_every=cfg.trainer.sample_every,
-    )
