@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from tests.harness import Swarm, round_hashes, round_results
+from tests.harness import Swarm, round_hashes, round_results, wait_for
 from tests.test_swarm import _ok_counts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -62,13 +63,21 @@ def test_delayed_overlap_keeps_theta_identical_and_trains(swarm: Callable[..., S
     s.wait_serving(leaver, timeout=120)
     others = s.peers[1:]
     back_at = max(p.status()["outer_step"] for p in others)
-    statuses = s.wait_all_at(back_at + 16, timeout=200, peers=others)
-    mine = leaver.status()
-    back = [
-        e["outer_step"]
-        for e in mine["rounds"]
-        if e["result"] in ("ok", "caught_up") and e["outer_step"] > back_at
-    ]
+
+    def back_in_step() -> tuple[dict[str, Any], list[int]] | None:
+        """Its status and the rounds it applied since `back_at`, once it has one (or the run is past the
+        bound, to fail on it)."""
+        mine = leaver.status()
+        back = [
+            e["outer_step"]
+            for e in mine["rounds"]
+            if e["result"] in ("ok", "caught_up") and e["outer_step"] > back_at
+        ]
+        run_at = min(p.status()["outer_step"] for p in others)
+        return (mine, back) if back or run_at > back_at + 14 else None
+
+    mine, back = wait_for("the restarted peer back in step, or the run past the bound", back_in_step, 200)
+    statuses = [p.status() for p in others]
     assert back and min(back) <= back_at + 14, (
         round_results([mine, *statuses]) + "\n" + leaver.output()[-4000:]
     )
