@@ -30,17 +30,12 @@ $(RELAY_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dilocod demo --peers $(PEERS)
 
-# Everything: the unit tier on TEST_WORKERS processes (pytest-xdist), then the swarms one at a time (they
-# time rounds and share the machine's cores: side by side they would only slow each other); both always run.
-TEST_WORKERS ?= 2
 test: $(STAMP) $(RELAY_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not integration" tests; unit=$$?; \
-	$(BIN)/python -m pytest -q --durations=25 -m integration tests; swarms=$$?; \
-	test $$unit -eq 0 -a $$swarms -eq 0
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # The unit tier for the edit-test loop (no test marked `integration`: no swarm, no real DHT or server).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) -m "not integration" tests
+	$(BIN)/python -m pytest -q -x -m "not integration" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check dilocod peers proto tests bench
