@@ -328,6 +328,7 @@ class RunAverager(StateDonors):
                 my_weight=weights[my_index],
                 in_majority=agreement.in_majority[my_index],
                 majority_size=sum(agreement.in_majority),
+                majority=[p.to_base58() for p, m in zip(group_info.peer_ids, agreement.in_majority) if m],
                 banned=agreement.banned[my_index],
                 failed_size=runner.failed_size,
                 screened=runner.screened_parts,

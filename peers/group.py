@@ -71,6 +71,9 @@ class RoundOutcome:
     rejected_reducers: tuple[str, ...] = ()  # reducers whose average we refused
     reducer_errors: tuple[str, ...] = ()  # "peer: reason" for each reducer whose averages did not all arrive
     members: tuple[str, ...] = ()
+    # the members that held the group's θ_global (banned or not): their Δ is measured from it, so only they
+    # can be scored for this round (a member out of step sent a Δ from another θ_global)
+    majority: tuple[str, ...] = ()
     bytes_sent: int = 0  # tensor payload bytes this round, both directions of the all-reduce
     bytes_received: int = 0
     banned: bool = False  # our θ_global was the group's, but most of the group bans us
@@ -325,6 +328,7 @@ class GroupAverager:
             rejected_reducers=tuple(result.get("rejected_reducers", ())),
             reducer_errors=tuple(result.get("reducer_errors", ())),
             members=tuple(result["peers"]),
+            majority=tuple(result.get("majority", ())),
             bytes_sent=int(result.get("bytes_sent", 0)),
             bytes_received=int(result.get("bytes_received", 0)),
             banned=bool(result["banned"]),

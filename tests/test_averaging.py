@@ -111,6 +111,10 @@ def test_members_get_identical_bytes_and_minority_is_told(trio: list[GroupAverag
     outcomes = run_round(groups, 1, tickets, inputs)
     assert [o.in_majority for o in outcomes] == [True, True, False]
     assert outcomes[2].averaged is None
+    # Every member names the same majority, without the one out of step (scoring assigns only within it).
+    ids = [g.averager.peer_id.to_base58() for g in groups]
+    assert all(sorted(o.members) == sorted(ids) for o in outcomes), [o.members for o in outcomes]
+    assert all(sorted(o.majority) == sorted(ids[:2]) for o in outcomes), [o.majority for o in outcomes]
     assert outcomes[0].contributors == 2
     assert outcomes[0].averaged is not None and outcomes[1].averaged is not None
     assert_same_bits(outcomes[0].averaged, outcomes[1].averaged)

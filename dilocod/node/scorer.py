@@ -152,8 +152,8 @@ class ContributionScoring:
         self._spawn(keep())
 
     def applied(self, step: int, start: list[torch.Tensor], members: Sequence[str], new_hash: str) -> None:
-        """A round at `step` was applied with the group `members`; θ_global was `start` before it and hashes to
-        `new_hash` after (the assignment's seed: nobody knew it before the round)."""
+        """A round at `step` was applied; `members` held the group's θ_global, which was `start` before it and
+        hashes to `new_hash` after (the assignment's seed: nobody knew it before the round)."""
         self._spawn(self._score_round(step, start, list(members), new_hash))
 
     def gated_peers(self) -> list[str]:

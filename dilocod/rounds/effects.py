@@ -113,7 +113,7 @@ class Effects:
         await self.training.run(lambda: self.pipeline.apply(contribution, averaged))
         self.context.counted = self.tokens.applied(outcome.my_weight)
         if start is not None and self.scoring is not None:
-            self.scoring.applied(contribution.step, start, outcome.members, self.outer.sha256)
+            self.scoring.applied(contribution.step, start, outcome.majority, self.outer.sha256)
 
     async def evaluate(self) -> None:
         """The eval loss of the new θ_global, into the state and the round's record, and a completion of the

@@ -107,7 +107,8 @@ class Scoring(Protocol):
         ...
 
     def applied(self, step: int, start: list[torch.Tensor], members: tuple[str, ...], new_hash: str) -> None:
-        """A group's round at `step` was applied: θ_global was `start`, now hashes to `new_hash`."""
+        """A group's round at `step` was applied: θ_global was `start`, now hashes to `new_hash`; `members`:
+        the group's members that held its θ_global (the ones whose Δ can be scored)."""
         ...
 
     def gated_peers(self) -> list[str]:
