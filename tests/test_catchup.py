@@ -20,6 +20,14 @@ from dilocod.statesync.ledger import (
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
 
+def ports(**given: Any) -> Any:
+    """`SyncPorts` with what a test passes, None for the rest (the test never reaches those)."""
+    from dilocod.statesync.catchup import SyncPorts
+
+    names = ("in_trainer", "records", "punish", "banned", "on_adopted", "count_bytes")
+    return SyncPorts(**{name: given.get(name) for name in names})
+
+
 def sync_settings(cfg: Any) -> Any:
     from dilocod.statesync.catchup import SyncSettings
 
@@ -126,7 +134,7 @@ def adopter(rebase_on_resync: bool) -> Any:
         ],
     )
     keeper: Any = object.__new__(StateSync)
-    keeper.settings, keeper._on_adopted = sync_settings(cfg), lambda: None
+    keeper.settings, keeper.ports = sync_settings(cfg), ports(on_adopted=lambda: None)
     keeper.trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=0, peer_key="catchup")
     keeper.outer = OuterOptimizer(keeper.trainer.working_params_fp32(), cfg.outer)
     keeper.trainer.train_steps(2)
@@ -178,7 +186,7 @@ def server() -> Any:
     outer = OuterOptimizer([torch.ones(4), torch.zeros(2, 3)], cfg.outer)
     return StateSync(
         sync_settings(cfg), outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
-        in_trainer=None, records=None, punish=None, banned=list, on_adopted=lambda: None, count_bytes=None,  # type: ignore[arg-type]
+        ports(banned=list, on_adopted=lambda: None),
     )  # fmt: skip
 
 
@@ -263,14 +271,14 @@ def test_a_re_sync_downloads_in_parts_from_every_donor_and_punishes_a_liar_at_on
         def state_timeout(self, configured: float) -> float:
             return 30.0
 
-    def sync(**kwargs: Any) -> StateSync:
+    def sync(parts: Any = None, **kwargs: Any) -> StateSync:
         outer = OuterOptimizer([torch.linspace(0, 1, 300_000), torch.ones(7)], cfg.outer)
         return StateSync(
             sync_settings(cfg), outer, None, Group(), Adversary(cfg.adversary, 0),  # type: ignore[arg-type]
-            in_trainer=None, on_adopted=lambda: None, count_bytes=None, **kwargs,  # type: ignore[arg-type]
+            ports(on_adopted=lambda: None, **kwargs), parts,
         )  # fmt: skip
 
-    donor = sync(records=None, punish=None, banned=list)
+    donor = sync(banned=list)
     donor.share()
     served = donor.current()
     records = [record(peer, 0, donor.outer.sha256) for peer in ("a", "b", "liar")]
@@ -331,7 +339,7 @@ def test_an_outvoted_head_ahead_of_the_records_is_judged_when_they_arrive() -> N
         async def punish(liars: list[tuple[str, str]]) -> None:
             punished.extend(d for d, _ in liars)
 
-        sync._records, sync._punish = records, punish
+        sync.ports = ports(records=records, punish=punish)
         await sync.others()
         tried: list[str] = []
         outvoted = {"liar": head(7, C), "early": head(8, C), "stale": head(6, C)}

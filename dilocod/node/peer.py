@@ -54,7 +54,7 @@ from dilocod.rounds.core import RoundCore
 from dilocod.rounds.driver import RoundDriver
 from dilocod.rounds.pipeline import RoundPipeline
 from dilocod.rounds.ports import Parts
-from dilocod.statesync.catchup import StateSync
+from dilocod.statesync.catchup import StateSync, SyncPorts
 from dilocod.statesync.checkpoint import check_checkpoint, open_checkpoint
 from dilocod.statesync.parts import PartsSource
 from dilocod.trainer import LocalGroup
@@ -272,12 +272,13 @@ class PeerDaemon:
             cfg.averaging.wire_codec(), release=heap.trim,
         )  # fmt: skip
         view = NodeRunView(network.node, excluded=self.bans.peer_ids, manifests=self.manifests)
-        self.sync = StateSync(
-            sync_settings(cfg), outer, trainer, network.group, self.tampering,
+        ports = SyncPorts(
             in_trainer=training.run, records=self._other_records(view), punish=judge.punish,
             banned=self.bans.peer_ids, on_adopted=pipeline.adopted, count_bytes=self._count_download,
-            parts=parts_source,
         )  # fmt: skip
+        self.sync = StateSync(
+            sync_settings(cfg), outer, trainer, network.group, self.tampering, ports, parts_source
+        )
         self.sync.share()
         self.checkpoints = CheckpointWriter(
             self.args.run_dir,

@@ -73,6 +73,18 @@ class SyncResult:
     pending: list[torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class SyncPorts:
+    """What re-syncing asks of the rest of the node, as plain functions (the node wires them)."""
+
+    in_trainer: InTrainer[Any]  # run a function on the trainer's thread (adopting writes its weights)
+    records: Records  # the run's status records: the θ hashes a donor's state is checked against
+    punish: Punish  # ban the peers found lying, with the reason
+    banned: Callable[[], list[str]]  # the peers we ban (never asked for the state)
+    on_adopted: Callable[[], None]  # a state was adopted: the round pipeline forgets its buffers
+    count_bytes: Callable[[int, int], None]  # bytes (sent, received) for the metrics
+
+
 class StateSync:
     """Serves our θ_global to peers that re-sync, and re-syncs us; everything it needs is passed in."""
 
@@ -83,19 +95,11 @@ class StateSync:
         trainer: InnerTrainer,
         group: GroupAverager,
         tampering: Tampering,
-        *,
-        in_trainer: InTrainer[Any],
-        records: Records,
-        punish: Punish,
-        banned: Callable[[], list[str]],
-        on_adopted: Callable[[], None],
-        count_bytes: Callable[[int, int], None],
+        ports: SyncPorts,
         parts: PartsSource | None = None,
     ) -> None:
         self.settings, self.outer, self.trainer, self.group = settings, outer, trainer, group
-        self.tampering = tampering
-        self._in_trainer, self._records, self._punish = in_trainer, records, punish
-        self._banned, self._on_adopted, self._count_bytes = banned, on_adopted, count_bytes
+        self.tampering, self.ports = tampering, ports
         self.parts = parts  # the download in parts from several donors (None: whole, from one donor)
         self.seen: dict[int, dict[str, str]] = {}  # outer step → peer id → the θ hash it reported there
         self.snapshot: Snapshot | None = None
@@ -173,7 +177,7 @@ class StateSync:
             return None
         if announce is not None:
             await announce(best)
-        tried: list[str] = [*self._banned(), *minority_holders(self.seen)]
+        tried: list[str] = [*self.ports.banned(), *minority_holders(self.seen)]
         for _ in range(DOWNLOAD_ATTEMPTS):
             # The run moves on while a state downloads; the records read meanwhile say what θ the peers
             # held at the step the donor sends, which the donor's state is checked against.
@@ -187,7 +191,7 @@ class StateSync:
                     continue
                 break
             tried.extend(donors)
-            self._count_bytes(0, GroupAverager.payload_bytes(downloaded))
+            self.ports.count_bytes(0, GroupAverager.payload_bytes(downloaded))
             verdict = await self._verify(downloaded, min_step)
             if verdict is None:
                 kept = await self._adopt(downloaded)
@@ -195,7 +199,7 @@ class StateSync:
             problem, lie = verdict
             log.warning("refused state from %s: %s", ", ".join(donors), problem)
             if lie:  # only evidence of lying is punished; a donor ahead of the records is merely early
-                await self._punish(
+                await self.ports.punish(
                     [
                         (d, f"served state that was refused: {problem}")
                         for d in self._liars(downloaded, donors)
@@ -213,7 +217,7 @@ class StateSync:
         if self.parts is not None:
             fetched = await self.parts.fetch(await self.others(), tried, min_step, timeout)
             if fetched.liars:  # a part whose bytes miss the digest its donor declared: banned at once
-                await self._punish(fetched.liars)
+                await self.ports.punish(fetched.liars)
                 tried.extend(d for d, _ in fetched.liars)
             await self._hold_outvoted(fetched.outvoted, tried)
             if fetched.state is not None or fetched.resumable:
@@ -256,7 +260,7 @@ class StateSync:
                 liars.append(self._refuse(donor, problem))
                 tried.append(donor)
         if liars:
-            await self._punish(liars)
+            await self.ports.punish(liars)
         if undecided:
             task = asyncio.create_task(self._judge_when_recorded(undecided))
             self._judging.add(task)
@@ -274,7 +278,7 @@ class StateSync:
             ]
             heads = {d: b for d, b in heads.items() if self._awaits_records(d, b)}
             if liars:
-                await self._punish(liars)
+                await self.ports.punish(liars)
 
     @staticmethod
     def _refuse(donor: str, problem: str) -> tuple[str, str]:
@@ -347,7 +351,7 @@ class StateSync:
         """Adopt the state; whether our progress not yet averaged was kept (rebased onto it)."""
         meta = decode_state_meta(downloaded.meta)
         state = downloaded.tensors[: 2 * len(self.outer.params)]
-        kept = await self._in_trainer(lambda: self.adopt_in_trainer(meta["outer_step"], state))
+        kept = await self.ports.in_trainer(lambda: self.adopt_in_trainer(meta["outer_step"], state))
         self.share()
         log.info(
             "re-synced to outer step %d from %s (θ %s)%s%s",
@@ -363,7 +367,7 @@ class StateSync:
         local = self.trainer.working_params_fp32() if keep else None
         old_global = [p.clone() for p in self.outer.params] if keep else None
         self.outer.load_state(step, tensors)
-        self._on_adopted()
+        self.ports.on_adopted()
         if local is None or old_global is None:
             self.trainer.load_params(self.outer.params)
             return None
@@ -374,7 +378,7 @@ class StateSync:
     async def others(self) -> list[dict[str, Any]]:
         """The other trainers' records (remembered in the ledger); [] when the DHT cannot be read."""
         try:
-            records = await self._records()
+            records = await self.ports.records()
         except Exception as e:
             log.debug("could not read the run's records: %r", e)
             return []
