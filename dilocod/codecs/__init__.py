@@ -1,7 +1,7 @@
 """Pseudo-gradient codecs (`averaging.compression`) and error feedback. Pure tensor code: torch + stdlib.
 
 See `base` for the interface and its determinism/robustness contracts, `quant` for each codec's byte
-layout and error bound, `feedback` for error feedback.
+layout and error bound, `topk` for the sparse codec, `feedback` for error feedback.
 """
 
 from dilocod.codecs.base import Codec, CodecError, Payload
@@ -16,6 +16,7 @@ from dilocod.codecs.quant import (
     bytes_per_element,
     make_codec,
 )
+from dilocod.codecs.topk import TopKCodec, topk_per_chunk
 
 __all__ = [
     "CODEC_NAMES",
@@ -27,8 +28,10 @@ __all__ = [
     "ErrorFeedback",
     "Fp16Codec",
     "NoneCodec",
+    "TopKCodec",
     "Payload",
     "bytes_per_element",
     "make_codec",
     "roundtrip",
+    "topk_per_chunk",
 ]

@@ -6,7 +6,9 @@ Per round, with Δ the pseudo-gradient and e the residual (zero at start):
     transmitted = decode(encode(sent))  (`roundtrip`, or whatever the wire actually carried)
     e ← sent − transmitted              (`update`)
 
-so nothing the codec drops is lost, only delayed. With the blockwise codecs the residual stays
+so nothing the codec drops is lost, only delayed. With a decay β < 1 (`averaging.ef_decay`, meant for the
+sparse `topk` codec, whose residual holds most of Δ) the carried part fades: sent = Δ + β·e, the form
+SparseLoCo writes as e ← β·e + Δ, send C(e), e ← e − C(e); β = 1 is the plain feedback above, bit for bit. With the blockwise codecs the residual stays
 bounded: each element's error is at most ρ·(block absmax of Δ + e), ρ = (1 + 2^-7)(1 + 2^-15)/3 for int2
 (/15 for int4, /254 for int8), hence by induction ‖e‖∞ ≤ ρ/(1 − ρ)·sup_t ‖Δ_t‖∞ per block — about
 0.51·max|Δ| for int2, 0.072 for int4. The residual is local state (never sent), so it does not need
@@ -48,21 +50,31 @@ class ErrorFeedback:
     """The residual of each parameter tensor (CPU, `dtype`), in the caller's parameter order."""
 
     def __init__(
-        self, shapes: Sequence[torch.Size | Sequence[int]], dtype: torch.dtype = torch.float32
+        self,
+        shapes: Sequence[torch.Size | Sequence[int]],
+        dtype: torch.dtype = torch.float32,
+        decay: float = 1.0,
     ) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay!r}")
         self.residual = [torch.zeros(tuple(shape), dtype=dtype) for shape in shapes]
+        self.decay = float(decay)
+
+    def _carried(self, e: torch.Tensor) -> torch.Tensor:
+        """β·e in fp32 (e itself when β = 1: the plain feedback's exact operations)."""
+        return e if self.decay == 1.0 else torch.mul(e.to(torch.float32), self.decay)
 
     def compensate(self, delta: Sequence[torch.Tensor], *, in_place: bool = False) -> list[torch.Tensor]:
-        """Δ + e: what to send this round. Fresh tensors, `delta` not modified; with `in_place`, e is added
+        """Δ + β·e: what to send this round. Fresh tensors, `delta` not modified; with `in_place`, e is added
         into `delta`'s own tensors (CPU fp32 ones the caller owns) and those are returned: a model's worth
         of memory less at a round's close."""
         self._check(delta, "delta")
         if in_place:
             if any(d.device.type != "cpu" or d.dtype != torch.float32 for d in delta):
                 raise ValueError("compensate in place needs CPU fp32 tensors")
-            return [d.add_(e) for d, e in zip(delta, self.residual)]
+            return [d.add_(self._carried(e)) for d, e in zip(delta, self.residual)]
         return [
-            torch.add(d.detach().to(device="cpu", dtype=torch.float32), e)
+            torch.add(d.detach().to(device="cpu", dtype=torch.float32), self._carried(e))
             for d, e in zip(delta, self.residual)
         ]
 
