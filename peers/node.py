@@ -319,11 +319,22 @@ async def _count_records(_dht: Any, node: Any) -> int:
     return len(node.protocol.storage) + len(node.protocol.cache)
 
 
+# How long a child that its own shutdown already gave its grace period, then SIGTERM, may take to go. A forked
+# child inherits the daemon's SIGTERM handler, which does nothing there: with its p2pd gone (`systemctl stop`
+# signals the whole group) the DHT sat out its grace and then 10 s more before the SIGKILL.
+AFTER_TERMINATE_SECONDS = 1.0
+
+
 def stop_child(process: Any, timeout: float) -> None:
-    """Ask a hivemind child process (DHT, averager) to shut down; kill it if it has not gone in time."""
-    with contextlib.suppress(Exception):
+    """Ask a hivemind child process (DHT, averager) to shut down (its `shutdown` waits out its own grace
+    period, then sends SIGTERM); kill it if it has not gone in time. `timeout`: how long to wait when its
+    shutdown could not even be asked for."""
+    try:
         process.shutdown()
-    process.join(timeout=timeout)
+        wait = AFTER_TERMINATE_SECONDS
+    except Exception:
+        wait = timeout
+    process.join(timeout=wait)
     if process.is_alive() and process.pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
