@@ -1,7 +1,9 @@
 """Byzantine-robust aggregation of pseudo-gradient parts: pure tensor functions (torch + stdlib only).
 
 ``reducers`` reduce all senders' copies of one part, ``screening`` drops obviously bad copies before that,
-``verify`` lets a receiver sanity-check an averaged part that another peer's reducer sent back.
+``verify`` lets a receiver sanity-check an averaged part that another peer's reducer sent back; ``sparse`` is
+the rule for top-k contributions, where coordinate-wise rules have one value a coordinate (clip each member
+to the group's norm bound, divide by every member's weight, flag copied supports).
 """
 
 from dilocod.aggregation.reducers import (

@@ -1,0 +1,129 @@
+"""The robust rule for sparse contributions (dilocod/aggregation/sparse.py), as tables: who is clipped and to
+what, the mean over every member's weight, copied supports, malformed rows, and the same bits every time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocod.aggregation.sparse import (
+    SparseRow,
+    aggregate,
+    check_row,
+    clip_factors,
+    copied_pairs,
+    overlap,
+)
+from dilocod.codecs import TopKCodec
+
+
+def row(positions: list[int], values: list[float]) -> SparseRow:
+    return SparseRow(torch.tensor(positions, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("norms", "weights", "factors"),
+    [
+        ([1.0, 1.0, 1.0], [1, 1, 1], [1.0, 1.0, 1.0]),  # equals: nobody clipped
+        ([1.0, 2.0, 100.0], [1, 1, 1], [1.0, 1.0, 0.02]),  # odd: everyone to at most the median
+        ([1.0, 100.0], [1, 1], [1.0, 0.01]),  # a pair: the liar to the lower norm, never the mean
+        ([1.0, 1.5], [1, 2], [1.0, 1.25 / 1.5]),  # an honest pair of unequal work: the heavier to M
+        ([0.0, 1.0], [1, 1], [1.0, 0.0]),  # a pair with a free-rider: its partner gets nothing from it
+        (
+            [1.0, 1.0, 50.0, 60.0],
+            [1, 1, 1, 1],
+            [1.0, 1.0, 1 / 50, 1 / 60],
+        ),  # even: M_lo with the weight factor
+        ([1.0, 9.0, 2.0], [1, 0, 1], [1.0, 0.0, 0.5]),  # weight 0: out of the bound (a pair left), factor 0
+    ],
+)
+def test_clip_factors(norms: list[float], weights: list[float], factors: list[float]) -> None:
+    got = clip_factors(torch.tensor(norms, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.tensor(factors, dtype=torch.float64))
+
+
+def test_the_mean_divides_by_every_members_weight() -> None:
+    rows = [row([0, 2], [1.0, 1.0]), row([1, 3], [1.0, 1.0]), row([4, 5], [1.0, 1.0])]
+    out = aggregate(rows, torch.tensor([1.0, 1.0, 2.0]), 6)
+    torch.testing.assert_close(out.dense, torch.tensor([0.25, 0.25, 0.25, 0.25, 0.5, 0.5]))
+    assert out.copies == []
+
+
+def test_a_concentrating_attacker_moves_a_coordinate_by_at_most_its_clipped_share() -> None:
+    """`concentrate`: all of a peer's k values on a few coordinates, large. Clipped to the median norm and
+    divided by the group's weight, it moves any coordinate by at most M / n."""
+    gen = torch.Generator().manual_seed(0)
+    numel, honest = 4096 * 4, []
+    codec = TopKCodec(4096, 64, 2)
+    for _ in range(4):
+        x = torch.randn(numel, generator=gen) * 0.01
+        idx, _ = codec.select(x)
+        chunks = torch.arange(numel // 4096).repeat_interleave(64) * 4096
+        honest.append(SparseRow(chunks + idx, x[chunks + idx]))
+    attacker = row([5, 6, 7], [1e4, -1e4, 1e4])
+    rows = [*honest, attacker]
+    out = aggregate(rows, torch.ones(5), numel)
+    norms = sorted(float(r.values.norm()) for r in rows)
+    assert float(out.dense[5:8].abs().max()) <= norms[2] / 5 * (1 + 1e-6) + 0.01  # + an honest value there
+    assert float(out.clipped[4]) == pytest.approx(norms[2] / float(attacker.values.norm()), rel=1e-6)
+
+
+def test_copied_supports_are_flagged_and_independent_ones_are_not() -> None:
+    gen = torch.Generator().manual_seed(1)
+    codec = TopKCodec(4096, 64, 2)
+    numel = 4096 * 8
+    supports = []
+    for _ in range(6):
+        idx, _ = codec.select(torch.randn(numel, generator=gen))
+        supports.append(torch.arange(8).repeat_interleave(64) * 4096 + idx)
+    rows = [SparseRow(s, torch.ones(s.numel())) for s in supports]
+    assert copied_pairs(rows) == []  # chance overlap is about the density, 1.56 %
+    copy = SparseRow(supports[2].clone(), torch.full((supports[2].numel(),), 2.0))
+    assert copied_pairs([*rows, copy]) == [(2, 6)]
+    assert overlap(supports[2], supports[2][::2]) == 1.0 and overlap(supports[0], supports[0][:0]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (row([3, 1], [1.0, 1.0]), "strictly increase"),
+        (row([0, 0], [1.0, 1.0]), "strictly increase"),
+        (row([2, 10], [1.0, 1.0]), "outside"),
+        (row([-1, 2], [1.0, 1.0]), "outside"),
+        (row([1, 2], [1.0, float("nan")]), "not finite"),
+        (SparseRow(torch.tensor([1, 2], dtype=torch.int32), torch.ones(2)), "int64"),
+        (SparseRow(torch.tensor([1, 2]), torch.ones(3)), "one length"),
+    ],
+)
+def test_malformed_rows_are_named(bad: SparseRow, message: str) -> None:
+    assert message in (check_row(bad, 10) or "")
+    with pytest.raises(ValueError, match="member 1's row"):
+        aggregate([row([0], [1.0]), bad], torch.ones(2), 10)
+
+
+def test_the_same_rows_give_the_same_bits_whatever_the_threads() -> None:
+    gen = torch.Generator().manual_seed(2)
+    codec = TopKCodec(4096, 64, 2)
+    numel = 4096 * 64
+    rows = []
+    for _ in range(8):
+        x = torch.randn(numel, generator=gen)
+        idx, _ = codec.select(x)
+        pos = torch.arange(numel // 4096).repeat_interleave(64) * 4096 + idx
+        rows.append(SparseRow(pos, x[pos]))
+    weights = torch.tensor([1.0, 2.0, 1.5, 1.0, 1.0, 0.5, 2.0, 1.0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = aggregate(rows, weights, numel).dense
+        torch.set_num_threads(max(2, threads))
+        many = aggregate(rows, weights, numel).dense
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many) and int(one.count_nonzero()) > 0
+
+
+def test_nobody_with_weight_gives_zeros() -> None:
+    out = aggregate([row([1], [5.0])], torch.zeros(1), 3)
+    assert torch.equal(out.dense, torch.zeros(3)) and float(out.clipped[0]) == 0.0
+    assert torch.equal(aggregate([], torch.zeros(0), 4).dense, torch.zeros(4))
