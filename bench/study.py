@@ -99,6 +99,16 @@ def cells(scale: float = 1.0) -> list[Cell]:
         # configs/tiny.toml's defaults together: H = 20, Muon, int4 parts (against dp with Muon)
         Cell("m4-h20-muon-int4", m4, 4, two, overrides=DEFAULTS),
     ]
+    # the adaptive outer steps (Reddi et al. 2021): FedAdam at three learning rates and β1 0 / 0.9, FedYogi
+    fedadam = (*h50, "outer.optimizer=fedadam")
+    found += [
+        Cell(f"m4-h50-fedadam-lr{lr}", m4, 4, two, overrides=(*fedadam, f"outer.lr={lr}"))
+        for lr in ("3e-4", "1e-3", "3e-3")
+    ]
+    found += [
+        Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.momentum=0.9")),
+        Cell("m4-h50-fedyogi", m4, 4, two, overrides=(*h50, "outer.optimizer=fedyogi")),
+    ]
     for m in (2, 8):
         found.append(Cell(f"m{m}-dp", m4, m, two, dp=True))
         found += [

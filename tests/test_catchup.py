@@ -168,7 +168,7 @@ def test_adopting_without_rebase_restarts_from_the_new_global() -> None:
         assert torch.equal(now, new)
 
 
-def server() -> Any:
+def server(*overrides: str) -> Any:
     """A `StateSync` serving a tiny θ_global (no trainer, no network)."""
     import torch
 
@@ -177,7 +177,7 @@ def server() -> Any:
     from dilocod.statesync.catchup import StateSync
     from dilocod.trust.adversary import Adversary
 
-    cfg = load_config(None)
+    cfg = load_config(None, list(overrides))
 
     class Group:
         def set_state_step(self, step: float) -> None:
@@ -216,6 +216,32 @@ def test_a_donor_with_overlap_serves_its_completed_round_in_flight_until_the_clo
     assert sync._check_content(tensors[:4], {**decoded, "pending_tensors": None}) is None
     sync.share()  # the close applied it: a new θ_global, nothing pending
     assert decode_state_meta(sync.current()[0])["pending_tensors"] == 0
+
+
+def test_an_adaptive_outer_step_serves_and_takes_its_second_moments() -> None:
+    """FedAdam/FedYogi: θ_global, m and v (and a round in flight after them); a donor of θ and m alone (another
+    outer step) is refused."""
+    import torch
+
+    from proto import decode_state_meta
+
+    sync = server("outer.optimizer=fedadam")
+    sync.outer.apply([torch.full((4,), 0.1), torch.full((2, 3), -0.2)])
+    sync.share()
+    meta, tensors = sync.current()
+    decoded = decode_state_meta(meta)
+    assert decoded["num_tensors"] == 6 and len(tensors) == 6
+    assert all(torch.equal(a, b) for a, b in zip(tensors[4:], sync.outer.second))
+    assert sync._check_content(tensors, decoded) is None
+    assert "expected 6 tensors" in sync._check_content(tensors[:4], {**decoded, "num_tensors": 4})
+    sync.share_pending(sync.outer.step, [torch.full((4,), 0.5), torch.full((2, 3), -1.0)])
+    meta, tensors = sync.current()
+    decoded = decode_state_meta(meta)
+    assert (
+        decoded["pending_tensors"] == 2
+        and len(tensors) == 8
+        and sync._check_content(tensors, decoded) is None
+    )
 
 
 def test_the_outer_step_frees_the_old_state_once_the_snapshot_is_withdrawn() -> None:

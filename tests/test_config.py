@@ -88,7 +88,8 @@ def test_defaults_have_documented_values() -> None:
     assert config.model.preset == "tiny"
     assert config.trainer.inner_steps == 20
     # the plain average (tiny's measured best); the bigger presets' files set the published Nesterov step
-    assert (config.outer.lr, config.outer.momentum, config.outer.nesterov) == (1.0, 0.0, True)
+    assert (config.outer.lr, config.outer.momentum, config.outer.nesterov) == (0.0, 0.0, True)
+    assert (config.outer.optimizer, config.outer.step_lr) == ("sgd", 1.0)  # lr 0: sgd's own, 1.0
     for name in ("small", "124m", "1b"):
         big = load_config(Path(__file__).resolve().parent.parent / "configs" / f"{name}.toml")
         assert (big.outer.lr, big.outer.momentum, big.outer.nesterov) == (0.7, 0.9, True)
@@ -252,7 +253,7 @@ def test_wrong_type_in_file_names_the_key(tmp_path: Path, toml: str, key: str) -
         ("trainer.lr=0", "trainer.lr"),
         ("outer.momentum=1.0", "outer.momentum"),
         ("outer.momentum=-0.1", "outer.momentum"),
-        ("outer.lr=0", "outer.lr"),
+        ("outer.lr=-0.5", "outer.lr"),
         ("outer.lr=nan", "outer.lr"),
         ("averaging.min_group_size=1", "averaging.min_group_size"),
         ("averaging.request_timeout=0", "averaging.request_timeout"),

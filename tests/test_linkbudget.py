@@ -110,6 +110,11 @@ def test_explicit_values_win_and_zero_is_auto() -> None:
     # group_size 8 + an auxiliary reducer: 2 x 8/9 x 65 MB at 12.5 MB/s and 12 s of CPU, x 3
     assert avg.matchmaking_timeout == 15.0 and avg.allreduce_timeout == pytest.approx(64.8, abs=0.1)
     assert avg.state_timeout == pytest.approx(246.4, abs=0.1) and resolved.round.max_seconds > 1800
+    # FedAdam/FedYogi's second moment is one more model-sized set to download (and overlap's round another)
+    assert model_size(auto).state_tensors == 2
+    assert model_size(load_config(None, ["outer.optimizer=fedadam"])).state_tensors == 3
+    adaptive = load_config(None, ["outer.optimizer=fedyogi", "outer.overlap=delayed"])
+    assert model_size(adaptive).state_tensors == 4
     mixed, link = resolve_deadlines(load_config(None, ["averaging.allreduce_timeout=45"]))
     assert mixed.averaging.allreduce_timeout == 45.0 and link is not None and not link.allreduce
 

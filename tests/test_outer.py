@@ -320,7 +320,6 @@ def test_apply_shape_mismatch_leaves_state_untouched() -> None:
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
-        (OuterConfig(lr=0.0), "outer.lr"),
         (OuterConfig(lr=-0.1), "outer.lr"),
         (OuterConfig(lr=math.nan), "outer.lr"),
         (OuterConfig(momentum=1.0), "outer.momentum"),
@@ -398,3 +397,103 @@ def test_the_step_releases_freed_memory_as_it_goes(monkeypatch: pytest.MonkeyPat
     plain = OuterOptimizer(random_tensors(1, shapes), OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
     plain.apply(random_tensors(2, shapes))
     assert plain.sha256 == opt.sha256  # releasing changes nothing computed
+
+
+# ---------------------------------------------------------------- FedAdam and FedYogi
+
+
+@pytest.mark.parametrize("optimizer", ["fedadam", "fedyogi"])
+def test_the_adaptive_steps_give_the_bits_of_the_textbook_ops_in_their_order(optimizer: str) -> None:
+    """Reddi et al.'s server updates, each op unfused and in this order: m' = β1·m + (1 − β1)·Δ; v' = β2·v +
+    (1 − β2)·Δ² (Adam) or v − (1 − β2)·Δ²·sign(v − Δ²) (Yogi); θ' = θ − lr·m'/(√v' + τ)."""
+    cfg = OuterConfig(optimizer=optimizer, lr=0.05, momentum=0.9, beta2=0.99, tau=1e-3)
+    theta = random_tensors(1, SHAPES)
+    opt = OuterOptimizer(theta, cfg)
+    params = [t.clone() for t in theta]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    for seed in (2, 3, 4):
+        deltas = random_tensors(seed, SHAPES)
+        opt.apply(deltas)
+        for i, d in enumerate(deltas):
+            m[i] = torch.add(torch.mul(m[i], 0.9), torch.mul(d, 1.0 - 0.9))
+            sq = torch.mul(d, d)
+            if optimizer == "fedyogi":
+                v[i] = torch.sub(v[i], torch.mul(torch.mul(sq, 1.0 - 0.99), torch.sign(torch.sub(v[i], sq))))
+            else:
+                v[i] = torch.add(torch.mul(v[i], 0.99), torch.mul(sq, 1.0 - 0.99))
+            step = torch.mul(torch.div(m[i], torch.add(torch.sqrt(v[i]), 1e-3)), 0.05)
+            params[i] = torch.sub(params[i], step)
+    assert all(torch.equal(a, b) for a, b in zip(opt.params, params))
+    assert all(torch.equal(a, b) for a, b in zip(opt.momentum, m))
+    assert all(torch.equal(a, b) for a, b in zip(opt.second, v))
+    assert opt.sha256 == global_sha256(params)
+
+
+def test_fedadam_by_hand_for_one_value() -> None:
+    """One element, two steps, in float64 arithmetic (the fp32 result within a few ulps)."""
+    opt = OuterOptimizer(
+        [vec([1.0])], OuterConfig(optimizer="fedadam", lr=0.1, momentum=0.5, beta2=0.9, tau=0.01)
+    )
+    theta, m, v = 1.0, 0.0, 0.0
+    for d in (0.2, -0.1):
+        opt.apply([vec([d])])
+        m = 0.5 * m + 0.5 * d
+        v = 0.9 * v + 0.1 * d * d
+        theta -= 0.1 * m / (math.sqrt(v) + 0.01)
+        assert_fp32_close(opt.params[0], [theta])
+
+
+def test_fedyogi_moves_v_toward_the_square_by_at_most_its_share() -> None:
+    opt = OuterOptimizer([vec([0.0, 0.0])], OuterConfig(optimizer="fedyogi", beta2=0.9))
+    opt.second[0] = vec([1.0, 0.0])  # one v above Δ², one below
+    opt.apply([vec([0.5, 0.5])])  # Δ² = 0.25: v − 0.1·0.25·sign(v − Δ²)
+    assert_fp32_close(opt.second[0], [1.0 - 0.025, 0.0 + 0.025])
+
+
+def test_an_adaptive_state_is_params_momentum_and_second_moments() -> None:
+    cfg = OuterConfig(optimizer="fedadam", momentum=0.9)
+    opt = OuterOptimizer(random_tensors(0, SHAPES), cfg)
+    opt.apply(random_tensors(1, SHAPES))
+    assert opt.state_width == 3 and len(opt.state_tensors()) == 3 * len(SHAPES)
+    other = OuterOptimizer(random_tensors(5, SHAPES), cfg)
+    other.load_state(opt.step, [t.clone() for t in opt.state_tensors()])
+    assert other.sha256 == opt.sha256 and all(torch.equal(a, b) for a, b in zip(other.second, opt.second))
+    with pytest.raises(ValueError, match="expected 9 state tensors, got 6 .the run's outer step is fedadam"):
+        other.load_state(1, [*opt.params, *opt.momentum])
+    plain = OuterOptimizer(random_tensors(0, SHAPES), OuterConfig())
+    assert plain.state_width == 2 and plain.second == [] and len(plain.state_tensors()) == 2 * len(SHAPES)
+
+
+def test_fedadam_descends_a_noisy_quadratic() -> None:
+    """Δ = the gradient of ½‖θ − target‖² plus noise, as replicas' pseudo-gradients would be: the adaptive
+    steps bring θ near the target."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(200, generator=gen)
+    for optimizer in ("fedadam", "fedyogi"):
+        opt = OuterOptimizer([torch.zeros(200)], OuterConfig(optimizer=optimizer, lr=0.05, momentum=0.9))
+        start = float((opt.params[0] - target).norm())
+        for _ in range(300):
+            opt.apply([opt.params[0] - target + 0.1 * torch.randn(200, generator=gen)])
+        assert float((opt.params[0] - target).norm()) < 0.2 * start, optimizer
+
+
+def test_lr_0_is_the_optimizers_own() -> None:
+    assert OuterConfig().step_lr == 1.0 and OuterConfig(lr=0.7).step_lr == 0.7
+    assert OuterConfig(optimizer="fedadam").step_lr == outer_module.ADAPTIVE_LR
+    assert OuterConfig(optimizer="fedyogi", lr=0.01).step_lr == 0.01
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (OuterConfig(optimizer="adam"), "outer.optimizer"),
+        (OuterConfig(optimizer="fedadam", beta2=1.0), "outer.beta2"),
+        (OuterConfig(optimizer="fedyogi", beta2=0.0), "outer.beta2"),
+        (OuterConfig(optimizer="fedadam", tau=0.0), "outer.tau"),
+        (OuterConfig(optimizer="fedadam", tau=math.inf), "outer.tau"),
+    ],
+)
+def test_adaptive_settings_are_checked(cfg: OuterConfig, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OuterOptimizer([vec(THETA0)], cfg)

@@ -90,8 +90,9 @@ def name(variant: Variant, cfg: Config, speeds: Sequence[float] | None) -> str:
         return f"dp {cfg.trainer.optimizer}"
     outer = cfg.outer
     overlap = f"streaming/{outer.fragments}" if outer.overlap == "streaming" else outer.overlap
+    step = "" if outer.optimizer == "sgd" else f"{outer.optimizer} "
     text = (
-        f"diloco H={cfg.trainer.inner_steps} lr={outer.lr:g} mom={outer.momentum:g} "
+        f"diloco H={cfg.trainer.inner_steps} {step}lr={outer.step_lr:g} mom={outer.momentum:g} "
         f"{cfg.trainer.optimizer} {cfg.averaging.compression} {overlap} {cfg.averaging.reducer}"
     )
     return text if speeds is None else f"{text} speeds={','.join(f'{s:g}' for s in speeds)}"

@@ -1,4 +1,5 @@
-"""The outer loop of DiLoCo: θ_global, pseudo-gradients and the Nesterov outer step. Pure tensor code.
+"""The outer loop of DiLoCo: θ_global, pseudo-gradients and the outer step (SGD with Nesterov momentum, or
+the adaptive FedAdam and FedYogi of Reddi et al. 2021). Pure tensor code.
 
 Every peer of a group applies the same averaged pseudo-gradient to the same θ_global and must end
 with the same bits. So each update is a chain of plain elementwise ops, one rounding each: no
@@ -19,6 +20,9 @@ import torch
 RELEASE_BYTES = 256 << 20
 
 OVERLAP_MODES = ("none", "delayed", "streaming")
+OUTER_OPTIMIZERS = ("sgd", "fedadam", "fedyogi")
+SGD_LR = 1.0  # outer.lr = 0 with sgd: the replicas' weighted average (with no momentum)
+ADAPTIVE_LR = 1e-3  # outer.lr = 0 with fedadam / fedyogi
 # Progress made against a θ_global a few outer steps old is still worth sending (a `delayed` round's is
 # one step old by design); from far behind (a restart from an old checkpoint) it is not. 4 leaves room
 # for a straggler whose failed matchmaking took a few of the others' rounds.
@@ -27,14 +31,24 @@ REBASE_MAX_GAP = 4
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """The `[outer]` section: the outer optimizer (SGD with Nesterov momentum)."""
+    """The `[outer]` section: the outer optimizer (SGD with Nesterov momentum, FedAdam or FedYogi)."""
 
-    # The outer SGD's learning rate. lr 1 and no momentum: θ_global becomes the replicas' weighted average,
-    # 6–16 % below DiLoCo's published step (lr 0.7, Nesterov momentum 0.9) at H = 10 and 50 in every seed of
-    # the tiny preset's convergence study (docs/benchmarks.md); configs/small|124m|1b.toml keep the latter.
-    lr: float = 1.0
-    momentum: float = 0.0  # the outer SGD's momentum, in [0, 1)
-    nesterov: bool = True  # Nesterov momentum (with momentum > 0)
+    # sgd: θ ← θ − lr·(Δ + μ·m) (Nesterov) with m ← μ·m + Δ. fedadam / fedyogi (Reddi et al. 2021, "Adaptive
+    # Federated Optimization"): m ← β1·m + (1 − β1)·Δ with β1 = `momentum`, a second moment v ← β2·v + (1 − β2)·Δ²
+    # (Adam) or v ← v − (1 − β2)·Δ²·sign(v − Δ²) (Yogi: v moves toward Δ² by at most that much), and
+    # θ ← θ − lr·m / (√v + τ); no bias correction, as in the paper. They keep one more buffer (4 bytes a
+    # parameter, served to joiners and checkpointed with θ_global and m).
+    optimizer: str = "sgd"
+    # The outer step's learning rate; 0: the optimizer's own, 1.0 for sgd and ADAPTIVE_LR for fedadam and
+    # fedyogi (their step moves each value by about lr, not by lr × Δ). sgd with lr 1 and no momentum:
+    # θ_global becomes the replicas' weighted average, 6–16 % below DiLoCo's published step (lr 0.7, Nesterov
+    # momentum 0.9) at H = 10 and 50 in every seed of the tiny preset's convergence study
+    # (docs/benchmarks.md); configs/small|124m|1b.toml keep the latter.
+    lr: float = 0.0
+    momentum: float = 0.0  # the outer SGD's momentum (fedadam, fedyogi: β1), in [0, 1)
+    nesterov: bool = True  # Nesterov momentum (with momentum > 0; sgd only)
+    beta2: float = 0.99  # fedadam / fedyogi: the second moment's decay
+    tau: float = 1e-3  # fedadam / fedyogi: the adaptivity τ added to √v (keeps a near-zero v from blowing up)
     # none: inner steps wait for each round; delayed: a round's all-reduce runs while the next round trains
     # and its outer step lands one round late (dilocod/rounds/pipeline.py); streaming: one fragment of the
     # parameters syncs every H / fragments inner steps, overlapped with them (docs/architecture.md)
@@ -49,9 +63,27 @@ class OuterConfig:
     # round: every peer's tokens count. false: that progress is dropped (and the log says how many tokens)
     rebase_on_resync: bool = True
 
+    @property
+    def step_lr(self) -> float:
+        """The learning rate the step uses: `lr`, or the optimizer's own when it is 0."""
+        return self.lr or (ADAPTIVE_LR if self.adaptive else SGD_LR)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the step keeps a second moment (fedadam, fedyogi)."""
+        return self.optimizer != "sgd"
+
     def validate(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"outer.lr must be > 0, got {self.lr}")
+        if self.optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(
+                f"outer.optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, got '{self.optimizer}'"
+            )
+        if not (math.isfinite(self.beta2) and 0 < self.beta2 < 1):
+            raise ValueError(f"outer.beta2 must be in (0, 1), got {self.beta2}")
+        if not (math.isfinite(self.tau) and self.tau > 0):
+            raise ValueError(f"outer.tau must be > 0, got {self.tau}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"outer.lr must be >= 0 (0: the optimizer's own), got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
         if self.overlap not in OVERLAP_MODES:
@@ -93,13 +125,15 @@ def keeps_progress(cfg: OuterConfig, own_step: int, adopted_step: int) -> bool:
 
 
 class OuterOptimizer:
-    """Holds θ_global (fp32, CPU) and the outer momentum; applies one outer step per round."""
+    """Holds θ_global (fp32, CPU), the outer momentum (and, adaptive, the second moment); applies one outer
+    step per round."""
 
     def __init__(self, initial: Sequence[torch.Tensor], cfg: OuterConfig) -> None:
         cfg.validate()
         self.cfg = cfg
         self.params = [t.detach().to(device="cpu", dtype=torch.float32).clone() for t in initial]
         self.momentum = [torch.zeros_like(p) for p in self.params]
+        self.second = [torch.zeros_like(p) for p in self.params] if cfg.adaptive else []
         self.step = 0
         self.sha256 = global_sha256(self.params)
 
@@ -108,6 +142,11 @@ class OuterOptimizer:
         then run as DMA without stalling it. Each tensor that replaces one of θ_global is pinned in turn
         (`_like`). The momentum never leaves the host and stays pageable."""
         self.params = [p.pin_memory() for p in self.params]
+
+    @property
+    def state_width(self) -> int:
+        """State tensors per parameter tensor: θ_global and m, and v when adaptive (`state_tensors`)."""
+        return 3 if self.cfg.adaptive else 2
 
     @property
     def num_elements(self) -> int:
@@ -136,7 +175,8 @@ class OuterOptimizer:
         indices: Sequence[int] | None = None,
         release: Callable[[], object] | None = None,
     ) -> None:
-        """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov.
+        """θ ← θ − lr·(Δ + μ·m) with m ← μ·m + Δ (Nesterov), or θ ← θ − lr·m without Nesterov; FedAdam and
+        FedYogi as in `OuterConfig`.
 
         With `indices` (a Streaming DiLoCo fragment), `averaged_delta` holds those tensors only, and only
         their θ and momentum move; the step counter counts such fragment rounds too.
@@ -152,7 +192,7 @@ class OuterOptimizer:
         replaced = 0
         for i, delta in zip(chosen, averaged_delta):
             self._step_tensor(i, delta.to(torch.float32))
-            replaced += 8 * delta.numel()
+            replaced += 4 * self.state_width * delta.numel()
             if release is not None and replaced >= RELEASE_BYTES:
                 release()
                 replaced = 0
@@ -162,10 +202,16 @@ class OuterOptimizer:
         self.sha256 = global_sha256(self.params)
 
     def _step_tensor(self, i: int, delta: torch.Tensor) -> None:
+        if self.cfg.adaptive:
+            self._adaptive_step(i, delta)
+        else:
+            self._sgd_step(i, delta)
+
+    def _sgd_step(self, i: int, delta: torch.Tensor) -> None:
         """One tensor's outer step, in three new tensors (two kept), each op the same IEEE operation in
         the same order as m' = μ·m + Δ, d = Δ + μ·m', θ' = θ − lr·d: every member gets the same bits
         whatever its machine, and no op here is fused."""
-        mu, lr = self.cfg.momentum, self.cfg.lr
+        mu, lr = self.cfg.momentum, self.cfg.step_lr
         buf = torch.mul(self.momentum[i], mu)
         buf.add_(delta)
         if self.cfg.nesterov:
@@ -177,22 +223,48 @@ class OuterOptimizer:
         self.params[i] = _like(torch.sub(self.params[i], direction), self.params[i])
         self.momentum[i] = buf
 
+    def _adaptive_step(self, i: int, delta: torch.Tensor) -> None:
+        """FedAdam / FedYogi on one tensor, as plain elementwise IEEE ops (√ and ÷ are correctly rounded, so
+        these too give every member the same bits): m' = β1·m + (1 − β1)·Δ, v' as in `OuterConfig`,
+        θ' = θ − lr·m' / (√v' + τ)."""
+        cfg = self.cfg
+        m = torch.mul(self.momentum[i], cfg.momentum)
+        m.add_(torch.mul(delta, 1.0 - cfg.momentum))
+        square = torch.mul(delta, delta)
+        if cfg.optimizer == "fedyogi":
+            step = torch.mul(square, 1.0 - cfg.beta2)
+            step.mul_(torch.sign(torch.sub(self.second[i], square)))  # × ±1 or 0: exact
+            v = torch.sub(self.second[i], step)
+        else:
+            v = torch.mul(self.second[i], cfg.beta2)
+            v.add_(square.mul_(1.0 - cfg.beta2))
+        denominator = torch.sqrt(v).add_(cfg.tau)
+        direction = torch.div(m, denominator).mul_(cfg.step_lr)
+        self.params[i] = _like(torch.sub(self.params[i], direction), self.params[i])
+        self.momentum[i], self.second[i] = m, v
+
     def state_tensors(self) -> list[torch.Tensor]:
-        """θ_global then the momentum buffers: what a peer downloads to re-sync."""
-        return [*self.params, *self.momentum]
+        """θ_global, the momentum buffers, then (adaptive) the second moments: what a peer downloads to
+        re-sync."""
+        return [*self.params, *self.momentum, *self.second]
 
     def load_state(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Adopt θ_global and momentum (as from `state_tensors`) at outer step `step`."""
+        """Adopt θ_global, momentum and (adaptive) second moments (as from `state_tensors`) at outer step
+        `step`."""
         n = len(self.params)
-        if len(tensors) != 2 * n:
-            raise ValueError(f"expected {2 * n} state tensors, got {len(tensors)}")
-        for own, new in zip([*self.params, *self.momentum], tensors):
+        if len(tensors) != self.state_width * n:
+            raise ValueError(
+                f"expected {self.state_width * n} state tensors, got {len(tensors)} "
+                f"(the run's outer step is {self.cfg.optimizer})"
+            )
+        for own, new in zip(self.state_tensors(), tensors):
             if own.shape != new.shape:
                 raise ValueError(f"state shape mismatch: {tuple(new.shape)} vs {tuple(own.shape)}")
         # Taken, not copied into ours (for the reason in `apply`): nothing writes them in place afterwards.
-        params, momentum = tensors[:n], tensors[n:]
+        params, momentum, second = tensors[:n], tensors[n : 2 * n], tensors[2 * n :]
         self.params[:] = [_like(_fp32(t), own) for t, own in zip(params, self.params)]
         self.momentum[:] = [_fp32(t) for t in momentum]
+        self.second[:] = [_fp32(t) for t in second]
         self.step = int(step)
         self.sha256 = global_sha256(self.params)
 

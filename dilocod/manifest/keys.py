@@ -20,7 +20,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
         "min_lr_ratio", "grad_clip", "optimizer", "muon_lr_ratio", "sample_prompt", "sample_tokens",
     ),
     "round": ("tokens", "max_seconds"),
-    "outer": ("lr", "momentum", "nesterov", "overlap", "fragments", "mix_alpha"),
+    "outer": ("optimizer", "lr", "momentum", "nesterov", "beta2", "tau", "overlap", "fragments", "mix_alpha"),
     "averaging": (
         "group_size", "min_group_size", "min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout",
         "request_timeout", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",

@@ -26,8 +26,9 @@ def model_size(cfg: Config) -> ModelSize:
     elements = count_params(lm_skeleton(cfg.model))
     codec = cfg.averaging.wire_codec()
     per_element = 4.0 if codec is None else bytes_per_element(codec)
-    # With overlap a donor also serves the round it has in flight (one more model-sized tensor set).
-    state_tensors = 2 if cfg.outer.overlap == "none" else 3
+    # θ_global and the momentum, the second moment with an adaptive outer step, and with overlap the round
+    # a donor has in flight (one more model-sized tensor set).
+    state_tensors = (3 if cfg.outer.adaptive else 2) + (cfg.outer.overlap != "none")
     return ModelSize(elements, per_element, state_tensors)
 
 

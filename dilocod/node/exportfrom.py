@@ -191,10 +191,11 @@ class _Download:
     async def _from_donors(self) -> RunModel:
         tried: list[str] = []
         problems: list[str] = []
+        # a donor's state is at most 4 model-sized sets: θ_global, m, v (FedAdam/FedYogi), a round in flight
         elements = sum(t.numel() for t in named_params_shapes(self.model))
         for _ in range(DONORS):
             got = await self.group.download_state(
-                exclude=tried, min_step=0, max_elements=3 * elements, timeout=self._state_timeout()
+                exclude=tried, min_step=0, max_elements=4 * elements, timeout=self._state_timeout()
             )
             if got is None:
                 break

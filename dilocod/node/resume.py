@@ -124,7 +124,7 @@ def _restore(
             f"({saved_model}), not '{cfg.run.id}' ({model_name(cfg.model)}); use another --run-dir"
         )
     saved = checkpoint["outer"]
-    outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"]])
+    outer.load_state(int(saved["step"]), [*saved["params"], *saved["momentum"], *saved.get("second", [])])
     trainer.load_state_dict(checkpoint["trainer"])
     saved_counters = checkpoint.get("counters", {})
     counters = {name: int(saved_counters.get(name, 0)) for name in COUNTERS}
@@ -167,6 +167,7 @@ def checkpoint_payload(cfg: Config, resumed: Resumed, rounds: RoundProgress) -> 
             "step": outer.step,
             "params": list(outer.params),
             "momentum": list(outer.momentum),
+            "second": list(outer.second),  # FedAdam/FedYogi's second moments (none with sgd)
             "sha256": outer.sha256,
         },
         "trainer": resumed.trainer.state_dict(),

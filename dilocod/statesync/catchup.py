@@ -127,9 +127,13 @@ class StateSync:
         if self.snapshot is None or step != self.outer.step:
             return
         _, tensors = self.snapshot
-        state = tensors[: 2 * len(self.outer.params)]
+        state = tensors[: self._state_count()]
         pending = [a.detach().clone() for a in averaged]
         self.snapshot = (self._meta(state, len(pending)), [*state, *pending])
+
+    def _state_count(self) -> int:
+        """How many tensors our state is (θ_global, momentum, and second moments with an adaptive step)."""
+        return self.outer.state_width * len(self.outer.params)
 
     def _meta(self, tensors: list[torch.Tensor], pending: int) -> bytes:
         return encode_state_meta(
@@ -137,7 +141,7 @@ class StateSync:
                 "outer_step": self.outer.step,
                 # self-consistent even when poisoned: only the run's published hashes can expose a liar
                 "global_sha256": global_sha256(tensors[: len(self.outer.params)]),
-                "num_tensors": 2 * len(self.outer.params) + pending,
+                "num_tensors": self._state_count() + pending,
                 "param_count": len(self.outer.params),
                 "time": time.time(),
                 "pending_tensors": pending,
@@ -327,15 +331,15 @@ class StateSync:
 
     def _check_content(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> str | None:
         """Shapes, dtype, finiteness, and the donor's hash of what it actually sent."""
-        n = len(self.outer.params)
+        n, state = len(self.outer.params), self._state_count()
         pending = meta.get("pending_tensors") or 0
-        if len(tensors) != 2 * n + pending or meta["param_count"] != n or pending > n:
-            return f"expected {2 * n + pending} tensors, got {len(tensors)}"
+        if len(tensors) != state + pending or meta["param_count"] != n or pending > n:
+            return f"expected {state + pending} tensors, got {len(tensors)}"
         for own, new in zip(self.outer.state_tensors(), tensors):
             if new.shape != own.shape or new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
                 return "a tensor has the wrong shape, dtype or non-finite values"
         # the shapes of a round's average depend on its fragment: the pipeline checks them before use
-        for new in tensors[2 * n :]:
+        for new in tensors[state:]:
             if new.dtype != torch.float32 or not bool(torch.isfinite(new).all()):
                 return "its round in flight has the wrong dtype or non-finite values"
         if global_sha256(tensors[:n]) != meta["global_sha256"]:
@@ -344,13 +348,12 @@ class StateSync:
 
     def _pending(self, downloaded: DownloadedState) -> list[torch.Tensor] | None:
         """The donor's round in flight, if it sent one (checked for dtype and finiteness already)."""
-        n = len(self.outer.params)
-        return list(downloaded.tensors[2 * n :]) or None
+        return list(downloaded.tensors[self._state_count() :]) or None
 
     async def _adopt(self, downloaded: DownloadedState) -> bool:
         """Adopt the state; whether our progress not yet averaged was kept (rebased onto it)."""
         meta = decode_state_meta(downloaded.meta)
-        state = downloaded.tensors[: 2 * len(self.outer.params)]
+        state = downloaded.tensors[: self._state_count()]
         kept = await self.ports.in_trainer(lambda: self.adopt_in_trainer(meta["outer_step"], state))
         self.share()
         log.info(
