@@ -103,7 +103,7 @@ def cells(scale: float = 1.0) -> list[Cell]:
     fedadam = (*h50, "outer.optimizer=fedadam")
     found += [
         Cell(f"m4-h50-fedadam-lr{lr}", m4, 4, two, overrides=(*fedadam, f"outer.lr={lr}"))
-        for lr in ("3e-4", "1e-3", "3e-3")
+        for lr in ("1e-3", "3e-3", "1e-2")
     ]
     found += [
         Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.momentum=0.9")),

@@ -492,6 +492,7 @@ def test_lr_0_is_the_optimizers_own() -> None:
         (OuterConfig(optimizer="fedyogi", beta2=0.0), "outer.beta2"),
         (OuterConfig(optimizer="fedadam", tau=0.0), "outer.tau"),
         (OuterConfig(optimizer="fedadam", tau=math.inf), "outer.tau"),
+        (OuterConfig(optimizer="fedadam", lr=0.7), "outer.lr 0.7 is an sgd rate"),
     ],
 )
 def test_adaptive_settings_are_checked(cfg: OuterConfig, match: str) -> None:

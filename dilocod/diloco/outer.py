@@ -23,6 +23,7 @@ OVERLAP_MODES = ("none", "delayed", "streaming")
 OUTER_OPTIMIZERS = ("sgd", "fedadam", "fedyogi")
 SGD_LR = 1.0  # outer.lr = 0 with sgd: the replicas' weighted average (with no momentum)
 ADAPTIVE_LR = 1e-3  # outer.lr = 0 with fedadam / fedyogi
+MAX_ADAPTIVE_LR = 0.1  # above it an adaptive step moves each value farther than any inner step would
 # Progress made against a θ_global a few outer steps old is still worth sending (a `delayed` round's is
 # one step old by design); from far behind (a restart from an old checkpoint) it is not. 4 leaves room
 # for a straggler whose failed matchmaking took a few of the others' rounds.
@@ -84,6 +85,11 @@ class OuterConfig:
             raise ValueError(f"outer.tau must be > 0, got {self.tau}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"outer.lr must be >= 0 (0: the optimizer's own), got {self.lr}")
+        if self.adaptive and self.lr > MAX_ADAPTIVE_LR:
+            raise ValueError(
+                f"outer.lr {self.lr:g} is an sgd rate: {self.optimizer} moves each value by about lr; "
+                f"leave it 0 ({ADAPTIVE_LR:g}) or set at most {MAX_ADAPTIVE_LR:g}"
+            )
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer.momentum must be in [0, 1), got {self.momentum}")
         if self.overlap not in OVERLAP_MODES:
