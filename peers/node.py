@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -313,10 +314,45 @@ class Node:
         future = self.started.run_coroutine(_count_records, return_future=True)
         return int(await asyncio.wrap_future(future))
 
+    @property
+    def joins_others(self) -> bool:
+        """Whether this node was started with initial peers to join (a bootstrap that seeds the run was not)."""
+        return bool(self.options.initial_peers)
+
+    async def rejoin(self) -> int:
+        """Dial the initial peers again and ping them from our DHT, then look up our own neighbours: a node
+        whose every contact failed while it could not answer (its processes stopped past the DHT's
+        timeouts: a laptop asleep, a machine frozen) has an empty routing table and no one left to ask, and
+        nobody asks it either. Returns how many nodes the routing table holds afterwards."""
+        if not self.options.initial_peers:
+            return 0
+        future = self.started.run_coroutine(
+            functools.partial(_rejoin, tuple(self.options.initial_peers)), return_future=True
+        )
+        return int(await asyncio.wrap_future(future))
+
 
 # Run inside the DHT process by `run_coroutine`, which pickles the function: module level, not closures.
 async def _count_records(_dht: Any, node: Any) -> int:
     return len(node.protocol.storage) + len(node.protocol.cache)
+
+
+REJOIN_SECONDS = 10.0  # how long a rejoin may take in the DHT process (a dial, a ping, a lookup)
+
+
+async def _rejoin(initial_peers: tuple[str, ...], _dht: Any, node: Any) -> int:
+    async def one(text: str) -> None:
+        maddr = Multiaddr(text)
+        peer = PeerID.from_base58(maddr["p2p"])
+        with contextlib.suppress(Exception):  # known to p2pd already, or unreachable: the ping says which
+            await node.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))])
+        await node.protocol.call_ping(peer)
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        async with asyncio.timeout(REJOIN_SECONDS):
+            await asyncio.gather(*(one(text) for text in initial_peers), return_exceptions=True)
+            await node.find_nearest_nodes([node.node_id])
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 # How long a child that its own shutdown already gave its grace period, then SIGTERM, may take to go. A forked

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hivemind.p2p import P2P, PeerID
@@ -71,3 +72,34 @@ def test_nobody_there_still_ends_in_one_line_after_the_wait(tmp_path: Path) -> N
     assert "none of the initial peers answered" in str(info.value) and "\n" not in str(info.value)
     assert time.monotonic() - started < 30
     assert node.dht is None
+
+
+# Run in a DHT process by `run_coroutine` (pickled by reference: module level).
+async def _forget_everyone(_dht: object, node: Any) -> int:
+    """What a node's routing table looks like after every contact failed while its processes were stopped."""
+    table = node.protocol.routing_table
+    for uid in list(table.uid_to_peer_id):
+        del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+def test_a_node_that_lost_every_contact_rejoins_through_its_initial_peers(tmp_path: Path) -> None:
+    """A peer frozen past the DHT's timeouts (a laptop asleep) comes back with no contact, and nobody has it
+    either: `Node.rejoin` (called by the status heartbeat when the DHT shows no other node) dials the initial
+    peers again, and records are found over the network once more."""
+    key, maddr, port = _future_bootstrap(tmp_path)
+    boot = Node(NodeSettings(run_id="rejoin", host="127.0.0.1", port=port, identity_path=key))
+    joiner = Node(NodeSettings(run_id="rejoin", initial_peers=(maddr,), host="127.0.0.1"))
+    try:
+        boot.start()
+        joiner.start()
+        assert not boot.joins_others and joiner.joins_others
+        assert [node.started.run_coroutine(_forget_everyone) for node in (boot, joiner)] == [0, 0]
+        assert asyncio.run(boot.publish("later", b"news", ttl=60))  # held by the bootstrap alone
+        assert asyncio.run(joiner.read_all("later")) == {}  # the joiner has nobody to ask
+        assert asyncio.run(joiner.rejoin()) >= 1
+        found = asyncio.run(joiner.read_all("later"))
+        assert found == {boot.peer_id: b"news"}, found
+    finally:
+        joiner.stop()
+        boot.stop()

@@ -31,6 +31,8 @@ from proto import ProtoError, encode_status
 
 log = logging.getLogger("dilocod.publishing")
 
+REJOIN_EVERY = 10.0  # seconds between two rejoins of a peer that still sees nobody
+
 
 class CheckpointWriter:
     def __init__(
@@ -115,6 +117,8 @@ class StatusPublisher:
     ) -> None:
         self.node, self.state, self.metrics, self.history = node, state, metrics, history
         self.interval, self.checkpoints = interval, checkpoints
+        self.unseen_since: float | None = None  # since when our DHT view has held no other node's record
+        self.rejoined_at = -float("inf")
 
     async def publish(self) -> None:
         ttl = max(3 * self.interval, 15.0)
@@ -139,9 +143,28 @@ class StatusPublisher:
                 ]
                 self.state.swarm.peers_known = len(others)
                 self.metrics.peers_known.set(len(others))
+                await self._rejoin_if_isolated(any(r["peer_id"] != self.state.peer_id for r in records))
                 self.state.swarm.dht_records = await self.node.dht_records()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the DHT being briefly unreachable must not stop the heartbeat
                 log.debug("status publish failed: %r", e)
             await asyncio.sleep(self.interval)
+
+    async def _rejoin_if_isolated(self, seen: bool) -> None:
+        """Dial the initial peers again once our DHT has shown no other node (not even the bootstrap) for
+        two intervals, and at most every REJOIN_EVERY seconds after: a peer stopped past the DHT's timeouts
+        loses every contact, and then trains alone for good (`Node.rejoin`)."""
+        now = time.monotonic()
+        if seen or not self.node.joins_others:
+            self.unseen_since = None
+            return
+        self.unseen_since = now if self.unseen_since is None else self.unseen_since
+        if now - self.unseen_since < 2 * self.interval or now - self.rejoined_at < REJOIN_EVERY:
+            return
+        self.rejoined_at = now
+        nodes = await self.node.rejoin()
+        log.info(
+            "no other node of the run in our DHT view for %.0fs: dialled the initial peers again (%d in our "
+            "routing table now)", now - self.unseen_since, nodes,
+        )  # fmt: skip
