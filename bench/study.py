@@ -106,6 +106,11 @@ def cells(scale: float = 1.0) -> list[Cell]:
         for lr in ("1e-3", "3e-3", "1e-2")
     ]
     found += [
+        Cell(f"m4-h10-fedadam-lr{lr}", m4, 4, two, overrides=(
+            "trainer.inner_steps=10", "outer.optimizer=fedadam", f"outer.lr={lr}"))
+        for lr in ("3e-3", "1e-2")
+    ]  # fmt: skip
+    found += [
         Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.momentum=0.9")),
         Cell("m4-h50-fedyogi", m4, 4, two, overrides=(*h50, "outer.optimizer=fedyogi")),
     ]
