@@ -111,8 +111,8 @@ def cells(scale: float = 1.0) -> list[Cell]:
         for lr in ("3e-3", "1e-2")
     ]  # fmt: skip
     found += [
-        Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.momentum=0.9")),
-        Cell("m4-h50-fedyogi", m4, 4, two, overrides=(*h50, "outer.optimizer=fedyogi")),
+        Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.lr=1e-3", "outer.momentum=0.9")),
+        Cell("m4-h50-fedyogi", m4, 4, two, overrides=(*h50, "outer.optimizer=fedyogi", "outer.lr=1e-3")),
     ]
     for m in (2, 8):
         found.append(Cell(f"m{m}-dp", m4, m, two, dp=True))
