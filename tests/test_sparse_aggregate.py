@@ -21,6 +21,13 @@ def row(positions: list[int], values: list[float]) -> SparseRow:
     return SparseRow(torch.tensor(positions, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
 
 
+def topk_row(x: torch.Tensor) -> SparseRow:
+    """The 64 largest |x| of each 4,096 values, as a member sending the default top-k payload holds them."""
+    local, _ = TopKCodec(4096, 64, 2).select(x)
+    positions = torch.arange(x.numel() // 4096).repeat_interleave(64) * 4096 + local
+    return SparseRow(positions, x[positions])
+
+
 @pytest.mark.parametrize(
     ("norms", "weights", "factors"),
     [
@@ -53,13 +60,8 @@ def test_a_concentrating_attacker_moves_a_coordinate_by_at_most_its_clipped_shar
     """`concentrate`: all of a peer's k values on a few coordinates, large. Clipped to the median norm and
     divided by the group's weight, it moves any coordinate by at most M / n."""
     gen = torch.Generator().manual_seed(0)
-    numel, honest = 4096 * 4, []
-    codec = TopKCodec(4096, 64, 2)
-    for _ in range(4):
-        x = torch.randn(numel, generator=gen) * 0.01
-        idx, _ = codec.select(x)
-        chunks = torch.arange(numel // 4096).repeat_interleave(64) * 4096
-        honest.append(SparseRow(chunks + idx, x[chunks + idx]))
+    numel = 4096 * 4
+    honest = [topk_row(torch.randn(numel, generator=gen) * 0.01) for _ in range(4)]
     attacker = row([5, 6, 7], [1e4, -1e4, 1e4])
     rows = [*honest, attacker]
     out = aggregate(rows, torch.ones(5), numel)
@@ -70,12 +72,7 @@ def test_a_concentrating_attacker_moves_a_coordinate_by_at_most_its_clipped_shar
 
 def test_copied_supports_are_flagged_and_independent_ones_are_not() -> None:
     gen = torch.Generator().manual_seed(1)
-    codec = TopKCodec(4096, 64, 2)
-    numel = 4096 * 8
-    supports = []
-    for _ in range(6):
-        idx, _ = codec.select(torch.randn(numel, generator=gen))
-        supports.append(torch.arange(8).repeat_interleave(64) * 4096 + idx)
+    supports = [topk_row(torch.randn(4096 * 8, generator=gen)).positions for _ in range(6)]
     rows = [SparseRow(s, torch.ones(s.numel())) for s in supports]
     assert copied_pairs(rows) == []  # chance overlap is about the density, 1.56 %
     copy = SparseRow(supports[2].clone(), torch.full((supports[2].numel(),), 2.0))
@@ -103,14 +100,8 @@ def test_malformed_rows_are_named(bad: SparseRow, message: str) -> None:
 
 def test_the_same_rows_give_the_same_bits_whatever_the_threads() -> None:
     gen = torch.Generator().manual_seed(2)
-    codec = TopKCodec(4096, 64, 2)
     numel = 4096 * 64
-    rows = []
-    for _ in range(8):
-        x = torch.randn(numel, generator=gen)
-        idx, _ = codec.select(x)
-        pos = torch.arange(numel // 4096).repeat_interleave(64) * 4096 + idx
-        rows.append(SparseRow(pos, x[pos]))
+    rows = [topk_row(torch.randn(numel, generator=gen)) for _ in range(8)]
     weights = torch.tensor([1.0, 2.0, 1.5, 1.0, 1.0, 0.5, 2.0, 1.0])
     threads = torch.get_num_threads()
     try:
