@@ -21,7 +21,16 @@ import torch
 
 from dilocod import DEFAULT_RUN_ID
 from dilocod.aggregation import ReducerSettings, ScreeningSettings
-from dilocod.codecs import CODEC_NAMES, FEEDBACK_CODECS, Codec, ErrorFeedback, make_codec
+from dilocod.codecs import (
+    CODEC_NAMES,
+    FEEDBACK_CODECS,
+    TOPK_VALUE_BITS,
+    Codec,
+    ErrorFeedback,
+    TopKCodec,
+    make_codec,
+    topk_per_chunk,
+)
 from dilocod.configtoml import ConfigError, apply_override, build, read_toml
 from dilocod.diloco.outer import OuterConfig
 from dilocod.rounds.clock import RoundConfig
@@ -69,6 +78,8 @@ class RunConfig:
 
 
 RESIDUAL_DTYPES = ("bfloat16", "float32")
+COMPRESSIONS = (*CODEC_NAMES, "topk")
+DEFAULT_TOPK_EF_DECAY = 0.95  # SparseLoCo's
 
 
 @dataclass(frozen=True)
@@ -98,11 +109,22 @@ class AveragingConfig:
     clip_tol: float = 1e-6  # centered_clip: stop iterating once the centre moves less than this
     screen_norm_ratio: float = 10.0  # drop contributions whose norm exceeds this × the group median
     ban_seconds: float = 3600.0  # how long a peer caught lying stays banned
-    # none | fp16 | int8 | int4 | int2: how pseudo-gradient parts and averages travel (bytes a value: 4, 2,
-    # 1.008, 0.53, 0.28; blockwise with a scale a block; int4 and int2 with error feedback). int4: within
+    # none | fp16 | int8 | int4 | int2 | topk: how pseudo-gradient parts and averages travel (bytes a value:
+    # 4, 2, 1.008, 0.53, 0.28; blockwise with a scale a block; int4, int2 and topk with error feedback). int4: within
     # 0.2 % of fp32 parts' loss with 1/7.5 of the bytes in the convergence study (docs/benchmarks.md)
     compression: str = "int4"
-    # float32 | bfloat16: how this node keeps its error-feedback residual (int4, int2). bfloat16 halves it (2
+    # topk: the share of each chunk's values sent, its largest |values| (k = round(density × chunk), at least
+    # 1). The default, SparseLoCo's 64 of 4,096 at 2 bits, is 0.028 bytes a value (1/144 of fp32); a reducer
+    # sends back the union of the group's supports at 8 bits a value (docs/protocol.md)
+    topk_density: float = 64 / 4096
+    # topk: values a chunk (a power of two, 16 to 65536); each kept value's index takes log2(chunk) bits
+    topk_chunk: int = 4096
+    # topk: bits of each kept value, 2 | 4 | 8, with one bf16 scale a chunk
+    topk_value_bits: int = 2
+    # the error-feedback buffer's decay β (e ← β·e + Δ, send C(e), e ← e − C(e)), in (0, 1]; unset: 0.95
+    # with topk (SparseLoCo's), 1 (nothing fades) with int4 and int2
+    ef_decay: float | None = None
+    # float32 | bfloat16: how this node keeps its error-feedback residual (int4, int2, topk). bfloat16 halves it (2
     # bytes a parameter less) and drops at most 2^-8 of the residual a round (int4: ~1/240 of what the codec
     # itself drops, and that is carried)
     residual_dtype: str = "bfloat16"
@@ -122,13 +144,22 @@ class AveragingConfig:
 
     def wire_codec(self) -> Codec | None:
         """The codec parts travel with; None for `none` (exact fp32 messages, as before codecs existed)."""
+        if self.compression == "topk":
+            k = topk_per_chunk(self.topk_density, self.topk_chunk)
+            return TopKCodec(self.topk_chunk, k, self.topk_value_bits)
         return None if self.compression == "none" else make_codec(self.compression)
 
+    def feedback_decay(self) -> float:
+        """β of the error feedback: `ef_decay`, or the codec's default when unset."""
+        if self.ef_decay is not None:
+            return self.ef_decay
+        return DEFAULT_TOPK_EF_DECAY if self.compression == "topk" else 1.0
+
     def error_feedback(self, shapes: Sequence[torch.Size | Sequence[int]]) -> ErrorFeedback | None:
-        """A zero residual for the codecs that carry one (int4, int2), kept in `residual_dtype`."""
-        if self.compression not in FEEDBACK_CODECS:
+        """A zero residual for the codecs that carry one (int4, int2, topk), kept in `residual_dtype`."""
+        if self.compression not in FEEDBACK_CODECS and self.compression != "topk":
             return None
-        return ErrorFeedback(shapes, dtype=getattr(torch, self.residual_dtype))
+        return ErrorFeedback(shapes, dtype=getattr(torch, self.residual_dtype), decay=self.feedback_decay())
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -162,16 +193,32 @@ class AveragingConfig:
             )
         if not self.ban_seconds > 0:
             raise ValueError(f"averaging.ban_seconds must be > 0, got {self.ban_seconds}")
-        if self.compression not in CODEC_NAMES:
+        if self.compression not in COMPRESSIONS:
             raise ValueError(
-                f"averaging.compression must be one of {', '.join(CODEC_NAMES)}, got '{self.compression}'"
+                f"averaging.compression must be one of {', '.join(COMPRESSIONS)}, got '{self.compression}'"
             )
+        self._validate_topk()
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(
                 f"averaging.residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got '{self.residual_dtype}'"
             )
         self.reducer_settings().validate()
         self.screening_settings().validate()
+
+    def _validate_topk(self) -> None:
+        chunk = self.topk_chunk
+        if not 16 <= chunk <= 65536 or chunk & (chunk - 1):
+            # a power of two divides the all-reduce's parts of 131072 values (peers/allreduce.py)
+            raise ValueError(f"averaging.topk_chunk must be a power of two from 16 to 65536, got {chunk}")
+        if not (math.isfinite(self.topk_density) and 0 < self.topk_density <= 1):
+            raise ValueError(f"averaging.topk_density must be a fraction in (0, 1], got {self.topk_density}")
+        if self.topk_value_bits not in TOPK_VALUE_BITS:
+            raise ValueError(
+                f"averaging.topk_value_bits must be one of {', '.join(map(str, TOPK_VALUE_BITS))}, "
+                f"got {self.topk_value_bits}"
+            )
+        if self.ef_decay is not None and not 0 < self.ef_decay <= 1:
+            raise ValueError(f"averaging.ef_decay must be in (0, 1], got {self.ef_decay}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ With a `PartCodec` (the run's `averaging.compression`), parts travel encoded: ea
 part it sends (its own share too, so every contribution went through the same codec), the reducer decodes
 every copy — a payload that does not decode is screened like a non-finite part — reduces the decoded
 values, encodes the result once and sends those bytes back; every member, the reducer included, keeps
-decode(encode(result)), so all apply identical values. Parts hold `part_size_bytes / 4` elements whatever
+decode(encode(result)), so all apply identical values. A sparse codec's parts are relayed instead
+(`peers/partrelay.py`): each reducer forwards its part's payloads and every member reduces them itself, alike.
+Parts hold `part_size_bytes / 4` elements whatever
 the codec, so part boundaries sit at fixed offsets of each tensor; when the codec's blocks divide that
 size, encoding part by part gives exactly what encoding each whole tensor would (which is what lets a
 sender keep its error-feedback residual without knowing the split).
@@ -43,6 +45,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import attach_event_on_finished
 
 from peers.partreduce import BufferingReducer, PartCheck, PartReduce, PartReply, own_share, weighted_mean
+from peers.partrelay import pack_reply, relays, statuses, unpack_rows
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,
@@ -88,6 +91,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             kwargs["compression"] = CodecCompression(codec)
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.codec = codec
+        self.relay = relays(codec)
+        # Relaying: every sender's payload of each of our parts, (part, sender) → bytes, until the round ends.
+        self._payloads: dict[tuple[int, int], bytes] = {}
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
@@ -97,7 +103,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
             reduce_part or weighted_mean,
-            codec,
+            None if self.relay else codec,  # relayed parts are never re-encoded: members reduce them alike
         )
         self.sender_weights = [float(sender_weights.get(peer, 0.0)) for peer in self.sender_peer_ids]
         # Contributions this reducer dropped (wrong shape, NaN/Inf, a payload that does not decode).
@@ -153,8 +159,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             received: torch.Tensor | None = part
             if remote:
                 self.bytes_received += part.numel() * part.element_size()  # the message's tensor buffer
-                if self.codec is not None:  # our own reductions arrive decoded already
+                if self.relay:
+                    received = self._reduce_relayed(part, peer_index, part_index)
+                elif self.codec is not None:  # our own reductions arrive decoded already
                     received = decode_payload_tensor(self.codec, part, own.numel())
+                if self.codec is not None:
                     received = None if received is None else received.reshape(own.shape)
             # Our own reductions are checked too: in a group of two, statistics cannot outvote a liar.
             plausible = (
@@ -171,6 +180,27 @@ class ExactAllReduceRunner(AllReduceRunner):
             register(peer_index, part_index, received)
 
         return checked
+
+    def _reduce_relayed(self, reply: torch.Tensor, peer_index: int, part_index: int) -> torch.Tensor | None:
+        """Our part `part_index` of reducer `peer_index`, reduced here from the payloads it relayed."""
+        assert self.codec is not None
+        own = self._own_inputs[peer_index][part_index]
+        if reply.dtype != torch.uint8 or reply.dim() != 1:
+            return None
+        rows = unpack_rows(
+            reply.contiguous().numpy().tobytes(),
+            receiver=self.sender_peer_ids.index(self.peer_id),
+            own_payload=encode_or_empty(self.codec, own),  # what we sent: the encoder is deterministic
+            codec=self.codec,
+            numel=own.numel(),
+            weights=self.sender_weights,
+        )
+        if rows is None:
+            return None
+        stacked, weights = rows
+        if not len(weights):
+            return torch.zeros(own.numel())
+        return self.tensor_part_reducer.reduce_part(stacked, weights)[0]  # type: ignore[attr-defined]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -217,7 +247,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _own_contribution(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
         """decode(encode(our part)), exactly what any other reducer would have made of what we send it."""
         assert self.codec is not None
-        return self._contribution(payload_message(encode_or_empty(self.codec, part)), part_index)
+        payload = encode_or_empty(self.codec, part)
+        if self.relay:
+            self._payloads[(part_index, self.sender_peer_ids.index(self.peer_id))] = payload
+        return self._contribution(payload_message(payload), part_index)
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
@@ -304,6 +337,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 received = await loop.run_in_executor(
                     None, self._contribution, message.tensor_part, part_index
                 )
+                if self.relay:
+                    self._payloads[(part_index, sender_index)] = bytes(message.tensor_part.buffer)
                 part, weight = self._screen(sender_index, part_index, received)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
@@ -311,7 +346,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     )
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, self._reply, averaged, part_index)
+                serialized = await loop.run_in_executor(None, self._reply, averaged, part_index, sender_index)
                 part_index += 1
                 self.bytes_sent += len(serialized.buffer)
                 if part_index == self.tensor_part_reducer.num_parts:
@@ -333,8 +368,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._replies_done.wait(), timeout)
 
-    def _reply(self, averaged: torch.Tensor, part_index: int) -> runtime_pb2.Tensor:
-        """What we send back for one of our parts: the result's exact fp32 bytes, or its codec payload."""
+    def _reply(self, averaged: torch.Tensor, part_index: int, sender_index: int) -> runtime_pb2.Tensor:
+        """What we send back for one of our parts: the result's exact fp32 bytes, its codec payload, or (relayed)
+        the other senders' payloads."""
+        if self.relay:
+            return payload_message(self._relayed(averaged, part_index, sender_index))
         if self.reply_part is not None:
             averaged = self.reply_part(averaged)
         elif self.codec is not None:  # the payload encoded as the part was reduced
@@ -342,6 +380,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         if self.codec is None:
             return _serialize_exact(averaged)
         return payload_message(encode_or_empty(self.codec, averaged))
+
+    def _relayed(self, averaged: torch.Tensor, part_index: int, sender_index: int) -> bytes:
+        """The other senders' payloads of one of our parts; a test adversary's lie (`reply_part`) in place of
+        each of them."""
+        assert self.codec is not None
+        rows = self.tensor_part_reducer.rows[part_index]  # type: ignore[attr-defined]
+        if self.reply_part is not None:
+            lie = encode_or_empty(self.codec, self.reply_part(averaged))
+            payloads = {s: lie for s, _ in rows}
+        else:
+            payloads = {s: self._payloads[(part_index, s)] for s, w in rows if w > 0}
+        return pack_reply(statuses(len(self.sender_peer_ids), rows), payloads, sender_index)
 
 
 async def _until_sender_closes(stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:

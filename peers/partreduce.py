@@ -69,6 +69,9 @@ class BufferingReducer(TensorPartReducer):
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         # With a codec: the encoded result of each part, sent as is to every sender of the part.
         self.payloads: dict[int, bytes] = {}
+        # Each part's rows as reduced, (sender index, weight) in sender order: what a relaying reducer
+        # tells its senders (peers/partrelay.py).
+        self.rows: dict[int, list[tuple[int, float]]] = {}
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
@@ -101,6 +104,7 @@ class BufferingReducer(TensorPartReducer):
             return
         shape = self.part_shapes[self.current_part_index]
         order = sorted(self.contributions)
+        self.rows[self.current_part_index] = [(i, self.contributions[i][1]) for i in order]
         if order:
             stacked = torch.stack([self.contributions[i][0].reshape(-1) for i in order])
             weights = torch.tensor([self.contributions[i][1] for i in order], dtype=torch.float32)

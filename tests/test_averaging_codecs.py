@@ -17,7 +17,7 @@ import torch
 
 from dilocod.aggregation import ReducerSettings, ScreeningSettings
 from dilocod.aggregation.partrules import make_part_check, make_part_reduce
-from dilocod.codecs import Codec, ErrorFeedback, make_codec, roundtrip
+from dilocod.codecs import Codec, ErrorFeedback, TopKCodec, make_codec, roundtrip
 from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.node import Node
 from peers.wirecodec import PartCodec
@@ -250,3 +250,81 @@ class TestInt2ErrorFeedback:
             worst = max(float(e.abs().max()) for ef in feedback[:2] for e in ef.residual)
             assert worst <= 0.51 * sup, (worst, sup)
         assert math.isfinite(sup)
+
+
+TOPK = TopKCodec(4096, 64, 2)
+SPARSE = make_part_reduce(ReducerSettings("centered_clip"), ScreeningSettings(), sparse=True)
+
+
+@pytest.fixture(scope="class")
+def topk_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
+    options = AveragingSettings(
+        target_group_size=3,
+        min_matchmaking_time=2.0,
+        matchmaking_timeout=15.0,
+        reduce_part=SPARSE,
+        check_part=make_part_check(ScreeningSettings()),
+        codec=TOPK,
+    )
+    with started_averagers("avgtest-topk", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
+        yield [g.node for g in groups], groups
+
+
+def reduce_sparse_by_parts(contributions: list[list[torch.Tensor]], order: list[int]) -> list[torch.Tensor]:
+    """What a topk group must apply: each part's decoded top-k rows combined by the sparse rule (every member
+    reduces the relayed payloads itself: nothing re-encoded)."""
+    out = []
+    for i, shape in enumerate(SHAPES):
+        flat = [roundtrip(TOPK, [c[i]])[0].reshape(-1) for c in contributions]
+        parts = []
+        for start in range(0, flat[0].numel(), PART):
+            stacked = torch.stack([flat[s][start : start + PART] for s in order])
+            reduced, _ = SPARSE(stacked, torch.ones(len(order)))
+            parts.append(reduced)
+        out.append(torch.cat(parts).reshape(shape))
+    return out
+
+
+class TestTopK:
+    """topk: sparse parts out, the union of the supports back, the sparse rule at every reducer."""
+
+    def test_identical_bits_union_of_supports_and_exact_bytes(
+        self, topk_trio: tuple[list[Node], list[GroupAverager]]
+    ) -> None:
+        nodes, groups = topk_trio
+        inputs = random_inputs(20)
+        outcomes = run_round(groups, 200, inputs)
+        result = assert_identical(outcomes)
+        order = group_order(outcomes[0], nodes)
+        expected = reduce_sparse_by_parts(inputs, order)
+        assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
+        # The result holds the union of the members' supports.
+        for got, xs in zip(result, zip(*inputs, strict=True), strict=True):
+            support = torch.zeros(got.numel(), dtype=torch.bool)
+            for x in xs:
+                support |= roundtrip(TOPK, [x])[0].reshape(-1) != 0
+            assert torch.equal(got.reshape(-1) != 0, support)
+        # Bytes: each part goes to its reducer n − 1 times, and each reducer relays the n − 1 payloads a sender
+        # lacks to each of its n − 1 senders, after n status bytes: (n − 1) payloads a member, an all-gather's.
+        parts = sum(-(-torch.Size(s).numel() // PART) for s in SHAPES)
+        wire = 2 * part_bytes(TOPK) + 2 * (2 * part_bytes(TOPK) + 3 * parts)
+        assert sum(o.bytes_sent for o in outcomes) == sum(o.bytes_received for o in outcomes) == wire
+        assert wire < 8 * NUM * 2 / 25  # int8 sends ~a quarter of fp32's bytes; topk a hundredth of it
+
+    def test_a_concentrated_contribution_is_clipped_to_the_groups_norm(
+        self, topk_trio: tuple[list[Node], list[GroupAverager]]
+    ) -> None:
+        nodes, groups = topk_trio
+        inputs = random_inputs(21)
+        inputs[1][0][:] = 0.0
+        inputs[1][0][:64] = 30.0  # all its weight on one chunk's 64 values: its norm ~ the honest ones
+        inputs[1][0][:8] = 400.0  # then 8 of them far larger (under the screen's 10× the median)
+        outcomes = run_round(groups, 201, inputs)
+        result = assert_identical(outcomes)
+        assert not set().union(*(o.faulty for o in outcomes))  # clipped, not dropped
+        expected = reduce_sparse_by_parts(inputs, group_order(outcomes[0], nodes))
+        assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
+        # Clipped to the group's median norm of the part (the larger honest one), the attacker moves the
+        # mean by at most that / 3: unclipped, its norm (~1140) alone would take the mean's to ~380.
+        honest = [float(roundtrip(TOPK, [inputs[m][0][:PART].contiguous()])[0].norm()) for m in (0, 2)]
+        assert float(result[0][:PART].norm()) <= (sum(honest) + max(honest)) / 3 * 1.01 < 200

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dilocod.codecs import TopKCodec
 from dilocod.config import (
     DEFAULT_RUN_ID,
     AveragingConfig,
@@ -403,7 +404,40 @@ def test_compression_names_and_their_wire_codec() -> None:
         codec = load_config(None, [f"averaging.compression={name}"]).averaging.wire_codec()
         assert codec is not None and codec.name == name
     message = config_error(overrides=["averaging.compression=int3"])
-    assert message == "averaging.compression must be one of none, fp16, int8, int4, int2, got 'int3'"
+    assert message == "averaging.compression must be one of none, fp16, int8, int4, int2, topk, got 'int3'"
+
+
+def test_topk_keys_make_its_codec_and_its_decaying_error_feedback() -> None:
+    avg = load_config(None, ["averaging.compression=topk"]).averaging
+    codec = avg.wire_codec()
+    assert isinstance(codec, TopKCodec) and (codec.chunk, codec.k, codec.value_bits) == (4096, 64, 2)
+    feedback = avg.error_feedback([(3, 2)])
+    assert feedback is not None and feedback.decay == 0.95  # SparseLoCo's, when ef_decay is unset
+    assert Config().averaging.error_feedback([(3, 2)]).decay == 1.0  # type: ignore[union-attr]  # int4
+    avg = load_config(
+        None,
+        ["averaging.compression=topk", "averaging.topk_density=0.03125", "averaging.topk_chunk=1024",
+         "averaging.topk_value_bits=4", "averaging.ef_decay=0.9"],
+    ).averaging  # fmt: skip
+    codec = avg.wire_codec()
+    assert isinstance(codec, TopKCodec) and (codec.chunk, codec.k, codec.value_bits) == (1024, 32, 4)
+    assert avg.feedback_decay() == 0.9
+    for override, message in [
+        (
+            "averaging.topk_chunk=1000",
+            "averaging.topk_chunk must be a power of two from 16 to 65536, got 1000",
+        ),
+        (
+            "averaging.topk_chunk=131072",
+            "averaging.topk_chunk must be a power of two from 16 to 65536, got 131072",
+        ),
+        ("averaging.topk_density=0", "averaging.topk_density must be a fraction in (0, 1], got 0.0"),
+        ("averaging.topk_density=1.5", "averaging.topk_density must be a fraction in (0, 1], got 1.5"),
+        ("averaging.topk_value_bits=3", "averaging.topk_value_bits must be one of 2, 4, 8, got 3"),
+        ("averaging.ef_decay=0", "averaging.ef_decay must be in (0, 1], got 0.0"),
+        ("averaging.ef_decay=1.01", "averaging.ef_decay must be in (0, 1], got 1.01"),
+    ]:
+        assert config_error(overrides=["averaging.compression=topk", override]) == message
 
 
 def test_the_error_feedback_residual_follows_the_codec_and_residual_dtype() -> None:

@@ -21,12 +21,16 @@ pytestmark = pytest.mark.integration
 PRIVATE = ("net.reachability=private",)
 
 
-@pytest.mark.parametrize("overlap", ["none", "delayed", "streaming"])
-def test_private_peers_average_through_the_bootstrap(swarm: Callable[..., Swarm], overlap: str) -> None:
+@pytest.mark.parametrize(
+    ("overlap", "compression"), [("none", "int4"), ("delayed", "int4"), ("streaming", "topk")]
+)
+def test_private_peers_average_through_the_bootstrap(
+    swarm: Callable[..., Swarm], overlap: str, compression: str
+) -> None:
     """In every overlap mode the reducing bootstrap meets the private peers' groups (with overlap it once
     followed the round they trained instead of the step they averaged, and met none of them again after a
-    round that was not applied)."""
-    s = swarm(2, *PRIVATE, f"outer.overlap={overlap}")
+    round that was not applied). With topk the bootstrap relays the private peers' payloads to each other."""
+    s = swarm(2, *PRIVATE, f"outer.overlap={overlap}", f"averaging.compression={compression}")
     try:
         statuses = s.wait_all_at(3, timeout=180)
     except AssertionError as e:

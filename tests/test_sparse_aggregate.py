@@ -11,6 +11,7 @@ from dilocod.aggregation.sparse import (
     aggregate,
     check_row,
     clip_factors,
+    clipped_mean,
     copied_pairs,
     overlap,
 )
@@ -118,3 +119,26 @@ def test_nobody_with_weight_gives_zeros() -> None:
     out = aggregate([row([1], [5.0])], torch.zeros(1), 3)
     assert torch.equal(out.dense, torch.zeros(3)) and float(out.clipped[0]) == 0.0
     assert torch.equal(aggregate([], torch.zeros(0), 4).dense, torch.zeros(4))
+
+
+def test_clipped_mean_on_dense_rows_is_the_sparse_aggregate() -> None:
+    """What a reducer runs on a part of decoded payloads (zeros off each support) is the rule on its rows."""
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3 * 4096, generator=gen) * s for s in (1.0, 1.2, 40.0)]
+    rows = [topk_row(x) for x in xs]
+    dense = torch.zeros(3, 3 * 4096)
+    for i, r in enumerate(rows):
+        dense[i, r.positions] = r.values
+    weights = torch.tensor([1.0, 0.5, 1.0])
+    got = clipped_mean(dense, weights)
+    expected = aggregate(rows, weights, 3 * 4096).dense
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)  # float64 sums in two orders
+    assert float(got.norm()) < 2 * float(dense[:2].norm(dim=1).max())  # the ×40 row clipped to the median
+
+
+def test_clipped_mean_never_multiplies_a_screened_row() -> None:
+    rows = torch.tensor([[1.0, 0.0, 2.0], [float("nan"), 1.0, 0.0], [0.0, 3.0, 1.0]])
+    got = clipped_mean(rows, torch.tensor([1.0, 0.0, 1.0]))
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(clipped_mean(rows[[0, 2]], torch.tensor([1.0, 1.0])), got)
+    assert torch.equal(clipped_mean(rows, torch.zeros(3)), torch.zeros(3))

@@ -14,6 +14,7 @@ import torch
 
 from dilocod.aggregation.reducers import ReducerSettings, make_reducer
 from dilocod.aggregation.screening import ScreeningSettings, faulty, screen
+from dilocod.aggregation.sparse import clipped_mean
 from dilocod.aggregation.verify import average_bound, plausible_average
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
@@ -27,9 +28,14 @@ OWN_NORM_SLACK = 10.0
 MAX_SHARE_SCALE = 100.0
 
 
-def make_part_reduce(reducer: ReducerSettings, screening: ScreeningSettings) -> PartReduce:
-    reduce = make_reducer(reducer)
-    defended = reducer.name != "mean"
+def make_part_reduce(
+    reducer: ReducerSettings, screening: ScreeningSettings, *, sparse: bool = False
+) -> PartReduce:
+    """The reduction of one part. `sparse`: the parts are decoded top-k payloads, combined by the sparse
+    rule (`sparse.py`: each row clipped to the group's norm bound, the mean over every member's weight)
+    whatever `reducer` names, since coordinate-wise rules see one value a coordinate there."""
+    reduce = sparse_reduce if sparse else make_reducer(reducer)
+    defended = sparse or reducer.name != "mean"
 
     def reduce_part(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         if defended:
@@ -40,6 +46,13 @@ def make_part_reduce(reducer: ReducerSettings, screening: ScreeningSettings) -> 
         return reduce(stacked, kept), faulty(stacked, weights, kept, screening if defended else None)
 
     return reduce_part
+
+
+def sparse_reduce(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`clipped_mean`. Copied supports are not judged here: honest members' top-k supports overlap by 40 % or
+    more in every round of the test swarm (their Δs start from one θ_global), so overlap is no evidence; a
+    copy's values are clipped like any row's."""
+    return clipped_mean(stacked, weights)
 
 
 def make_part_check(screening: ScreeningSettings) -> PartCheck:

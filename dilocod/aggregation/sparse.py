@@ -13,9 +13,10 @@ zeros makes it zero almost everywhere. Robustness moves to the member:
 - **The mean divides by every member's weight**, present or not at a coordinate: an attacker that puts all
   of its k values on a few coordinates moves each by at most its (clipped) norm × its weight share, while
   dividing by the contributors there would give it the coordinate alone.
-- **Copied supports.** Independent peers' top-k indices overlap by chance at about the density; a pair
-  whose supports overlap by `copy_overlap` or more (templar flags 40 %) is reported, for the caller to
-  judge: the rule cannot tell which of the two copied.
+- **Copied supports.** Random vectors' top-k indices overlap at about the density, but honest members'
+  do not: their Δs start from one θ_global and see the same language, and their supports overlapped by 40 %
+  or more in every round of the test swarm. So overlap (`copied_pairs`, templar's 40 %) is reported by
+  `aggregate` for analysis and never judged in a round: a copied support's values are clipped like any.
 
 Deterministic: norms in float64 in a fixed order (`_det.row_sq_norms`), each member's coefficient computed
 in float64 and rounded once to fp32, then added member by member in the given order into zeros with no
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dilocod.aggregation._det import row_sq_norms
+from dilocod.aggregation._det import row_sq_norms, sum_rows
 from dilocod.aggregation.screening import row_bounds
 
 COPY_OVERLAP = 0.4  # the share of a support found in another's that flags the pair as a copy
@@ -116,3 +117,19 @@ def aggregate(rows: Sequence[SparseRow], weights: torch.Tensor, numel: int) -> S
                     0, row.positions, torch.mul(row.values, torch.tensor(coef, dtype=torch.float32))
                 )
     return SparseAggregate(dense, factors, copied_pairs(rows))
+
+
+def clipped_mean(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The rule above on one part of decoded payloads: `stacked` [n, d] holds each member's values with zeros
+    off its support; each row is clipped to its bound, then Σ_i w_i·c_i·x_i / Σ_i w_i over the rows with
+    weight > 0, summed in row order in float64 (what a reducer of the butterfly runs: `partrules.py`)."""
+    w = weights.to(torch.float64)
+    total = float(w.sum())
+    if total <= 0:
+        return torch.zeros(stacked.shape[1], dtype=torch.float32)
+    included = w > 0  # a screened row (weight 0) may hold NaN: never multiplied, not even by 0
+    norms = torch.zeros_like(w)
+    norms[included] = row_sq_norms(stacked[included]).sqrt()
+    factors = clip_factors(norms, w)
+    coefs = (w * factors / total)[included].tolist()
+    return sum_rows(stacked[included], coefs).to(torch.float32)

@@ -16,7 +16,7 @@ from dilocod.codecs.quant import (
     bytes_per_element,
     make_codec,
 )
-from dilocod.codecs.topk import TopKCodec, topk_per_chunk
+from dilocod.codecs.topk import TOPK_VALUE_BITS, TopKCodec, topk_per_chunk
 
 __all__ = [
     "CODEC_NAMES",
@@ -28,6 +28,7 @@ __all__ = [
     "ErrorFeedback",
     "Fp16Codec",
     "NoneCodec",
+    "TOPK_VALUE_BITS",
     "TopKCodec",
     "Payload",
     "bytes_per_element",

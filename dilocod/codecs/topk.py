@@ -58,6 +58,9 @@ class TopKCodec(Codec):
     """The k largest |x| of each chunk of C values, with their indices; see the module docstring."""
 
     lossless = False
+    # The group's reducers relay these payloads rather than reduce them (`peers/partrelay.py`): a reduced part
+    # holds the union of the senders' supports, which this format cannot carry.
+    relays_parts = True
 
     def __init__(self, chunk: int = DEFAULT_TOPK_CHUNK, k: int = 64, value_bits: int = 2) -> None:
         for name, value in (("chunk", chunk), ("k", k)):

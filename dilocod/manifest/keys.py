@@ -25,6 +25,7 @@ RUN_WIDE: dict[str, tuple[str, ...]] = {
         "group_size", "min_group_size", "min_matchmaking_time", "matchmaking_timeout", "allreduce_timeout",
         "request_timeout", "reducer", "trim_fraction", "clip_tau", "clip_iters", "clip_tol",
         "screen_norm_ratio", "compression", "adaptive_deadlines", "deadline_factor", "min_allreduce_timeout",
+        "topk_density", "topk_chunk", "topk_value_bits", "ef_decay",
     ),
     "scoring": ("enabled", "sequences", "step"),
 }  # fmt: skip

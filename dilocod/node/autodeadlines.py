@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from dilocod.codecs import bytes_per_element
+from dilocod.codecs import TopKCodec, bytes_per_element
 from dilocod.config import Config
 from dilocod.trainer.lm import lm_skeleton
 from dilocod.trainer.model import count_params
@@ -26,6 +26,9 @@ def model_size(cfg: Config) -> ModelSize:
     elements = count_params(lm_skeleton(cfg.model))
     codec = cfg.averaging.wire_codec()
     per_element = 4.0 if codec is None else bytes_per_element(codec)
+    if isinstance(codec, TopKCodec):
+        # Relayed (peers/partrelay.py): n − 1 payloads a member, against ~2 for a reduced codec's parts.
+        per_element *= max(2, cfg.averaging.group_size) / 2
     # θ_global and the momentum, the second moment with an adaptive outer step, and with overlap the round
     # a donor has in flight (one more model-sized tensor set).
     state_tensors = (3 if cfg.outer.adaptive else 2) + (cfg.outer.overlap != "none")

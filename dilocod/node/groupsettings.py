@@ -44,7 +44,9 @@ def averaging_settings(
         mode=mode,
         # Every reducer of the run reduces alike, screened and robust (an honest peer would otherwise see an
         # auxiliary reducer's averages as implausible and ban it).
-        reduce_part=make_part_reduce(avg.reducer_settings(), avg.screening_settings()),
+        reduce_part=make_part_reduce(
+            avg.reducer_settings(), avg.screening_settings(), sparse=avg.compression == "topk"
+        ),
         # A trainer checks the averages it receives; `mean` is the undefended baseline, with no check either.
         check_part=None
         if aux or avg.reducer == "mean" or not check_reducers

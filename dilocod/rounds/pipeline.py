@@ -14,7 +14,7 @@ One pipeline, three settings rather than three classes:
   only, so only its bytes go on the wire) and averages while the next slot trains; an applied fragment
   takes the Nesterov step and the working copy's fragment becomes α·local + (1 − α)·θ_global.
 
-With error feedback (int4/int2) a peer sends Δ + e and after an applied round keeps
+With error feedback (int4/int2, topk: Δ + β·e) a peer sends Δ + e and after an applied round keeps
 e ← (Δ + e) − decode(encode(Δ + e)) (per fragment with streaming); a round that was not applied leaves e
 as it was (the next Δ includes this one); applying alone pays e back in full; adopting another peer's
 θ_global forgets it. A private peer without overlap keeps θ_global and the momentum from before its last
@@ -201,7 +201,8 @@ class RoundPipeline:
         assert self.feedback is not None
         if indices is None:
             return self.feedback
-        view = ErrorFeedback([])  # the residuals of one fragment's tensors, shared with the whole
+        # the residuals of one fragment's tensors, shared with the whole
+        view = ErrorFeedback([], decay=self.feedback.decay)
         view.residual = [self.feedback.residual[i] for i in indices]
         return view
 
