@@ -382,7 +382,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         return payload_message(encode_or_empty(self.codec, averaged))
 
     def _relayed(self, averaged: torch.Tensor, part_index: int, sender_index: int) -> bytes:
-        """The other senders' payloads of one of our parts; a test adversary's lie (`reply_part`) in place of
+        """The other senders' payloads of one of our parts; with `reply_part`, its result in place of
         each of them."""
         assert self.codec is not None
         rows = self.tensor_part_reducer.rows[part_index]  # type: ignore[attr-defined]

@@ -55,6 +55,28 @@ def test_random_direction_is_fixed_and_1000_times_the_honest_norm() -> None:
     assert cosine == pytest.approx(1.0, abs=1e-6)  # the same direction every round
 
 
+def test_concentrate_pushes_each_tensors_largest_coordinates_against_their_sign() -> None:
+    delta = [torch.randn(64, 8, generator=torch.Generator().manual_seed(5)), torch.tensor([1.0, -2.0])]
+    sent = adversary("concentrate").corrupt_delta(delta)
+    for s, d in zip(sent, delta):
+        flat, honest = s.reshape(-1), d.reshape(-1)
+        top = torch.topk(honest.abs(), min(4, honest.numel())).indices
+        assert torch.equal(torch.nonzero(flat).reshape(-1).sort().values, top.sort().values)
+        assert bool((torch.sign(flat[top]) == -torch.sign(honest[top])).all())
+        assert norm([s]) == pytest.approx(5 * norm([d]), rel=1e-5)  # under the 10x screen
+
+
+def test_copy_support_puts_honest_sized_noise_on_the_last_updates_coordinates() -> None:
+    a = adversary("copy_support")
+    theta = [torch.zeros(6), torch.zeros(3)]
+    a.sent([torch.randn(6), torch.randn(3)], None, theta)  # the θ_global it starts from
+    update = [torch.tensor([0.0, 1.0, 0.0, 0.0, 2.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])]
+    delta = [torch.randn(6), torch.randn(3)]
+    sent = a.sent(delta, None, [t - u for t, u in zip(theta, update)])  # θ_global moved by the update
+    assert all(torch.equal(s != 0, u != 0) for s, u in zip(sent, update))
+    assert norm(sent) == pytest.approx(norm(delta), rel=1e-5)
+
+
 def test_stale_sends_zeros_then_the_delta_from_k_rounds_ago() -> None:
     a = adversary("stale", stale_rounds=3)
     rounds = [honest_delta(10 + i) for i in range(6)]

@@ -18,6 +18,7 @@ import torch
 from dilocod.aggregation import ReducerSettings, ScreeningSettings
 from dilocod.aggregation.partrules import make_part_check, make_part_reduce
 from dilocod.codecs import Codec, ErrorFeedback, TopKCodec, make_codec, roundtrip
+from dilocod.trust.adversary import Adversary, AdversaryConfig
 from peers.group import AveragingSettings, GroupAverager, RoundOutcome
 from peers.node import Node
 from peers.wirecodec import PartCodec
@@ -311,20 +312,28 @@ class TestTopK:
         assert sum(o.bytes_sent for o in outcomes) == sum(o.bytes_received for o in outcomes) == wire
         assert wire < 8 * NUM * 2 / 25  # int8 sends ~a quarter of fp32's bytes; topk a hundredth of it
 
-    def test_a_concentrated_contribution_is_clipped_to_the_groups_norm(
-        self, topk_trio: tuple[list[Node], list[GroupAverager]]
+    @pytest.mark.parametrize("mode", ["concentrate", "copy_support"])
+    def test_a_sparse_attacker_is_clipped_to_the_groups_norm(
+        self, mode: str, topk_trio: tuple[list[Node], list[GroupAverager]]
     ) -> None:
         nodes, groups = topk_trio
         inputs = random_inputs(21)
-        inputs[1][0][:] = 0.0
-        inputs[1][0][:64] = 30.0  # all its weight on one chunk's 64 values: its norm ~ the honest ones
-        inputs[1][0][:8] = 400.0  # then 8 of them far larger (under the screen's 10× the median)
-        outcomes = run_round(groups, 201, inputs)
+        attacker = Adversary(AdversaryConfig(mode=mode), seed=3)
+        theta = [torch.zeros(s) for s in SHAPES]
+        attacker.observe_global(theta)
+        attacker.observe_global(
+            [t - u for t, u in zip(theta, random_inputs(22)[0], strict=True)]
+        )  # an update
+        inputs[1] = attacker.corrupt_delta(inputs[1])
+        outcomes = run_round(groups, 201 if mode == "concentrate" else 202, inputs)
         result = assert_identical(outcomes)
-        assert not set().union(*(o.faulty for o in outcomes))  # clipped, not dropped
+        assert not set().union(*(o.faulty for o in outcomes))  # under the screen: clipped, not dropped
         expected = reduce_sparse_by_parts(inputs, group_order(outcomes[0], nodes))
         assert all(torch.equal(a, b) for a, b in zip(result, expected, strict=True))
-        # Clipped to the group's median norm of the part (the larger honest one), the attacker moves the
-        # mean by at most that / 3: unclipped, its norm (~1140) alone would take the mean's to ~380.
-        honest = [float(roundtrip(TOPK, [inputs[m][0][:PART].contiguous()])[0].norm()) for m in (0, 2)]
-        assert float(result[0][:PART].norm()) <= (sum(honest) + max(honest)) / 3 * 1.01 < 200
+        # Clipped to at most the group's median norm of the part, the attacker moves the mean by at most that
+        # / 3, whatever it concentrates or copies (concentrate, unclipped: ~5× the honest norm, / 3).
+        for lo in range(0, SHAPES[0][0], PART):
+            hi = min(lo + PART, SHAPES[0][0])
+            norms = [float(roundtrip(TOPK, [x[0][lo:hi].contiguous()])[0].norm()) for x in inputs]
+            bound = (norms[0] + norms[2] + sorted(norms)[1]) / 3
+            assert float(result[0][lo:hi].norm()) <= bound * (1 + 1e-5), (lo, norms)

@@ -11,6 +11,7 @@ the group's majority and keeps getting the chance to attack.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from dilocod.trust.hooks import HONEST, Tampering
 
 ADVERSARY_MODES = (
     "none", "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor",
-    "inflate_tokens", "freeride", "copy_update", "wrong_data",
+    "inflate_tokens", "freeride", "copy_update", "wrong_data", "concentrate", "copy_support",
 )  # fmt: skip
 
 
@@ -30,8 +31,8 @@ class AdversaryConfig:
     """`[adversary]`: make this peer attack the run, through the protocol only. For testing defenses."""
 
     # none | sign_flip | random_direction | scale | nan | stale | alie | bad_reducer | bad_donor |
-    # inflate_tokens | freeride | copy_update | wrong_data: attack the run, for testing defences only
-    # (docs/trust.md)
+    # inflate_tokens | freeride | copy_update | wrong_data | concentrate | copy_support: attack the run, for
+    # testing defences only (docs/trust.md)
     mode: str = "none"
     alie_z: float = 1.0  # ALIE: send mean − z·std of what this peer can observe
     stale_rounds: int = 10  # stale: send the pseudo-gradient from this many rounds ago
@@ -47,6 +48,10 @@ ALIE_WINDOW = 10
 INFLATE_FACTOR = 10  # inflate_tokens: how much more than the truth it claims
 FREERIDE_NOISE = 1e-3  # freeride: the noise's norm ÷ the honest Δ's (tiny: it did no work)
 WRONG_DATA_WINDOWS = 64  # wrong_data: the windows at the stream's start it trains over and over
+# concentrate: a tensor's whole push on its CONCENTRATE_COORDS largest coordinates, against their sign, with
+# CONCENTRATE_FACTOR × the honest norm (under the reducers' 10× screen: it wants to be averaged, not banned)
+CONCENTRATE_COORDS = 4
+CONCENTRATE_FACTOR = 5.0
 
 
 class Adversary:
@@ -127,12 +132,16 @@ class Adversary:
             return self._freeride(delta)
         if self.mode == "copy_update":
             return self._copy(delta)
+        if self.mode == "concentrate":
+            return [_concentrated(d) for d in delta]
+        if self.mode == "copy_support":
+            return self._copy_support(delta)
         return delta
 
     def observe_global(self, params: list[torch.Tensor]) -> None:
         """θ_global as a contribution is measured from it: `copy_update` learns the run's last outer update
         (θ_global of the round before minus this one, which every peer knows) from consecutive ones."""
-        if self.mode != "copy_update":
+        if self.mode not in ("copy_update", "copy_support"):
             return
         previous = self._global
         if previous is not None and [p.shape for p in previous] == [p.shape for p in params]:
@@ -153,6 +162,17 @@ class Adversary:
             return [torch.zeros_like(d) for d in delta]
         scale = _norm(delta) / max(_norm(self._update), 1e-12)
         return [u * scale for u in self._update]
+
+    def _copy_support(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Random values of an honest Δ's norm on the coordinates the run's last outer update moved (with
+        topk: the union of the last round's supports, the indices other peers sent), everywhere before."""
+        support = self._update if self._update is not None else delta
+        noise = [
+            torch.randn(d.shape, generator=self._generator) * (u != 0)
+            for d, u in zip(delta, support, strict=True)
+        ]
+        scale = _norm(delta) / max(_norm(noise), 1e-12)
+        return [n * scale for n in noise]
 
     def windows(self, seq_len: int) -> Callable[[list[int]], list[int]] | None:
         """`wrong_data`: where its batches really come from. It trains the same few windows at the start of
@@ -215,3 +235,15 @@ def garbage_like(tensor: torch.Tensor) -> torch.Tensor:
 
 def _norm(tensors: list[torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.to(torch.float64) ** 2).sum() for t in tensors)))  # type: ignore[arg-type]
+
+
+def _concentrated(delta: torch.Tensor) -> torch.Tensor:
+    """`concentrate`: zeros, but the tensor's largest coordinates, pushed hard against their sign."""
+    flat = delta.reshape(-1)
+    out = torch.zeros_like(flat)
+    if not flat.numel():
+        return delta
+    top = torch.topk(flat.abs(), min(CONCENTRATE_COORDS, flat.numel())).indices
+    size = CONCENTRATE_FACTOR * float(torch.linalg.vector_norm(flat)) / math.sqrt(top.numel())
+    out[top] = -torch.sign(flat[top]) * size
+    return out.view_as(delta)
