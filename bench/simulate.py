@@ -29,7 +29,7 @@ Options (a comma list runs one variant per value, every combination of them):
                       trainer.threads=1, trainer.batch_size=8)
   --outer-lr, --momentum     the outer Nesterov step (outer.lr list, outer.momentum)
   --optimizer         adamw or muon: the inner optimizer (list), for DiLoCo and its dp baseline alike
-  --compression       none, fp16, int8, int4 or int2 (list); int4 and int2 run with error feedback
+  --compression       none, fp16, int8, int4, int2 or topk (list); int4, int2 and topk run with error feedback
   --overlap           none, delayed or streaming (list); --fragments F for streaming (outer.fragments)
   --speeds s1,…,sM    replica i trains s_i / mean(s) × the tokens of an average replica per round, as the
                       run's clock gives a peer of that speed; contributions are weighted by their tokens

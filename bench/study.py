@@ -114,6 +114,7 @@ def cells(scale: float = 1.0) -> list[Cell]:
         Cell("m4-h50-fedadam-b0.9", m4, 4, two, overrides=(*fedadam, "outer.lr=1e-3", "outer.momentum=0.9")),
         Cell("m4-h50-fedyogi", m4, 4, two, overrides=(*h50, "outer.optimizer=fedyogi", "outer.lr=1e-3")),
     ]
+    found += topk_cells(m4, two)
     for m in (2, 8):
         found.append(Cell(f"m{m}-dp", m4, m, two, dp=True))
         found += [
@@ -124,6 +125,40 @@ def cells(scale: float = 1.0) -> list[Cell]:
         Cell("10m-m4-h50", m10, 4, three, overrides=h50),
         Cell("10m-m4-h10", m10, 4, three, overrides=("trainer.inner_steps=10",)),
     ]
+    return found
+
+
+def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
+    """Sparse pseudo-gradients (`averaging.compression=topk`: error feedback with decay 0.95, the plain step)
+    at M = 4: density 0.78, 1.56 (the default) and 3.1 % × H 10, 20, 50, each against dense int4 at its H;
+    at H = 50 the error feedback's decay, 4-bit values and the outer step; 1.56 % at M = 2 and 8."""
+    topk = "averaging.compression=topk"
+    found = [
+        Cell(
+            f"m4-h{h}-int4",
+            tokens,
+            4,
+            seeds,
+            overrides=(f"trainer.inner_steps={h}", "averaging.compression=int4"),
+        )
+        for h in (10, 20)
+    ]  # H = 50's is m4-h50-int4
+    densities = {"": None, "-d0.78": "0.0078125", "-d3.1": "0.03125"}
+    found += [
+        Cell(f"m4-h{h}-topk{tag}", tokens, 4, seeds, overrides=(
+            f"trainer.inner_steps={h}", topk, *((f"averaging.topk_density={d}",) if d else ())))
+        for h in (50, 10, 20)
+        for tag, d in densities.items()
+    ]  # fmt: skip
+    h50 = ("trainer.inner_steps=50", topk)
+    found += [
+        Cell("m4-h50-topk-ef0.9", tokens, 4, seeds, overrides=(*h50, "averaging.ef_decay=0.9")),
+        Cell("m4-h50-topk-ef0.99", tokens, 4, seeds, overrides=(*h50, "averaging.ef_decay=0.99")),
+        Cell("m4-h50-topk-4bit", tokens, 4, seeds, overrides=(*h50, "averaging.topk_value_bits=4")),
+        Cell("m4-h50-topk-nag", tokens, 4, seeds, overrides=(*h50, "outer.lr=0.7", "outer.momentum=0.9")),
+        Cell("m4-h50-topk-fedadam", tokens, 4, seeds, overrides=(*h50, "outer.optimizer=fedadam")),
+    ]
+    found += [Cell(f"m{m}-h50-topk", tokens, m, seeds, overrides=h50) for m in (2, 8)]
     return found
 
 

@@ -9,7 +9,8 @@ What `peers/allreduce.py` does across the network, done here with the same funct
   with weight 0 (`ExactAllReduceRunner._screen`);
 - each part is reduced by the run's `reduce_part` (screening and the configured reducer,
   `dilocod.aggregation.partrules`) over the senders in group order, then re-encoded once with the codec
-  (`requantize`), which is what every member keeps.
+  (`requantize`), which is what every member keeps; a relayed codec's (`topk`) result is kept as reduced,
+  as every member reduces the relayed payloads itself (`peers/partrelay.py`).
 
 Not modelled: which member reduces which part (it changes no value), the receivers' plausibility check
 of averages (it never fires between honest replicas), failed reducers and bans.
@@ -25,6 +26,7 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from dilocod.codecs import Codec, NoneCodec
 from peers.membership import Claim, capped_tokens, normalized
 from peers.partreduce import PartReduce
+from peers.partrelay import relays
 from peers.wirecodec import decode_message, encode_or_empty, payload_message, requantize
 
 # Values per part: hivemind splits each fp32 tensor into parts of DEFAULT_PART_SIZE_BYTES (our codecs
@@ -74,7 +76,7 @@ def _average_part(
         kept.append(weight if usable else 0.0)
     reduced, _faulty = reduce_part(torch.stack(rows), torch.tensor(kept, dtype=torch.float32))
     reduced = reduced.to(torch.float32)
-    if codec is not None:  # the reducer sends one payload back; every member keeps what it decodes to
+    if codec is not None and not relays(codec):  # one payload back; every member keeps what it decodes to
         reduced, _payload = requantize(codec, reduced)
     return reduced
 

@@ -64,7 +64,9 @@ class DilocoRun:
     def __init__(self, cfg: Config, keys: Sequence[str], corpus: Corpus) -> None:
         self.replicas = [Replica(cfg, key, corpus) for key in keys]
         self.reduce_part = make_part_reduce(
-            cfg.averaging.reducer_settings(), cfg.averaging.screening_settings()
+            cfg.averaging.reducer_settings(),
+            cfg.averaging.screening_settings(),
+            sparse=cfg.averaging.compression == "topk",
         )
         self.codec = cfg.averaging.wire_codec()
         self.overlapped = cfg.outer.overlap != "none"
