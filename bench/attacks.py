@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/attacks.py [--peers 4 --attackers 1] [--rounds 10]
         [--reducers mean,trimmed_mean,median,centered_clip] [--attacks sign_flip,...] [--scoring]
+        [--compression int4|int2|topk|...]
 
 For every reducer, a clean run (the honest peers alone) and one run per attack (the same honest
 peers, with the same identities and so the same data, plus the attackers) are trained to outer step
@@ -11,6 +12,7 @@ The setup and the comparison are those of `tests/test_attacks.py`. Runs are sequ
 each takes about a minute with 4 peers. `--scoring` runs every run with contribution scoring on (H = 20,
 the chunk schedule): what the attacks on work (`freeride`, `copy_update`, `wrong_data`) do to the loss once
 scoring gates them; `bench/scoring.py` measures how fast they are gated and what scoring costs.
+`--compression topk` runs the sparse codec, whose own rule replaces the reducer (one row is enough).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tests.attackrun import common_step, mean_eval, start_run  # noqa: E402
 
 ATTACKS = [
     "sign_flip", "random_direction", "scale", "nan", "stale", "alie", "bad_reducer", "bad_donor", "inflate_tokens",
-    "freeride", "copy_update", "wrong_data",
+    "freeride", "copy_update", "wrong_data", "concentrate", "copy_support",
 ]  # fmt: skip
 SCORING = ("scoring.enabled=true", "trainer.inner_steps=20", "data.chunk_tokens=8192")
 REDUCERS = ["mean", "trimmed_mean", "median", "centered_clip"]
@@ -37,7 +39,7 @@ REDUCERS = ["mean", "trimmed_mean", "median", "centered_clip"]
 def run(root: Path, args: argparse.Namespace, mode: str | None, reducer: str) -> list[dict[str, Any]]:
     """The honest peers' statuses once all reached `--rounds` (or when the run stalled: [] )."""
     honest = args.peers - args.attackers
-    extra = SCORING if args.scoring else ()
+    extra = (*(SCORING if args.scoring else ()), f"averaging.compression={args.compression}")
     s = start_run(root, honest, args.attackers, mode, f"averaging.reducer={reducer}", *extra)
     try:
         return s.wait_all_at(args.rounds, timeout=args.timeout, peers=s.peers[-honest:], evaluated=True)
@@ -67,11 +69,12 @@ def main() -> None:
     parser.add_argument("--reducers", default=",".join(REDUCERS))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--scoring", action="store_true", help="contribution scoring on in every run")
+    parser.add_argument("--compression", default="int4", help="averaging.compression of every run")
     args = parser.parse_args()
     attacks = args.attacks.split(",")
     print(
-        f"{args.peers} peers, {args.attackers} attacker(s), {args.rounds} outer rounds; honest eval ÷ clean"
-        + ("; scoring on, H = 20" if args.scoring else "")
+        f"{args.peers} peers, {args.attackers} attacker(s), {args.rounds} outer rounds, {args.compression}; "
+        "honest eval ÷ clean" + ("; scoring on, H = 20" if args.scoring else "")
     )
     print("| reducer | " + " | ".join(attacks) + " |")
     print("|---" * (len(attacks) + 1) + "|", flush=True)
