@@ -159,6 +159,18 @@ def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
         Cell("m4-h50-topk-fedadam", tokens, 4, seeds, overrides=(*h50, "outer.optimizer=fedadam")),
     ]
     found += [Cell(f"m{m}-h50-topk", tokens, m, seeds, overrides=h50) for m in (2, 8)]
+    # at H = 10, where the quick look has 13 outer steps: a larger plain step (the sparse mean divides a
+    # coordinate only one member sent by all M), the published Nesterov step, a slower decay, 4-bit values
+    h10 = ("trainer.inner_steps=10", topk)
+    found += [
+        *(
+            Cell(f"m4-h10-topk-lr{lr}", tokens, 4, seeds, overrides=(*h10, f"outer.lr={lr}"))
+            for lr in (2, 3, 4)
+        ),
+        Cell("m4-h10-topk-nag", tokens, 4, seeds, overrides=(*h10, "outer.lr=0.7", "outer.momentum=0.9")),
+        Cell("m4-h10-topk-ef0.99", tokens, 4, seeds, overrides=(*h10, "averaging.ef_decay=0.99")),
+        Cell("m4-h10-topk-4bit", tokens, 4, seeds, overrides=(*h10, "averaging.topk_value_bits=4")),
+    ]
     return found
 
 

@@ -77,14 +77,25 @@ def test_the_steps_reported_while_a_state_downloads_are_what_it_is_held_to(
 
 
 def export_from(maddr: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dilocod", "export", "--from", maddr, "--out", str(out)],
-        cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return BackgroundExport(maddr, out).wait(timeout)
+
+
+class BackgroundExport:
+    """`dilocod export --from maddr` started in the background; `wait` collects it (killed after)."""
+
+    def __init__(self, maddr: str, out: Path) -> None:
+        self.args = [sys.executable, "-m", "dilocod", "export", "--from", maddr, "--out", str(out)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(
+            self.args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        try:
+            out, err = self.popen.communicate(timeout=timeout)
+        finally:
+            self.popen.kill()
+        return subprocess.CompletedProcess(self.args, self.popen.returncode, out, err)
 
 
 def error_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -101,12 +112,14 @@ def test_agreement_needs_more_than_half_of_the_reports_for_that_step() -> None:
 
 
 def test_export_from_a_running_swarm(tmp_path: Path) -> None:
-    assert "does not answer" in error_line(export_from(SILENT_MADDR, tmp_path / "none", 60))
+    # A maddr that does not answer: said in one line once its wait is over (the swarm starts meanwhile).
+    silent = BackgroundExport(SILENT_MADDR, tmp_path / "none")
     s = Swarm(tmp_path)
     try:
         s.start_bootstrap()
         # A run with no trainer yet: nothing to export, said in one line.
         assert "holds a θ_global" in error_line(export_from(s.maddr, tmp_path / "early"))
+        assert "does not answer" in error_line(silent.wait(60))
         # The bad donor claims the highest step and serves a poisoned θ_global that matches its own hash.
         s.add_peer()
         s.add_peer("adversary.mode=bad_donor")
@@ -117,6 +130,7 @@ def test_export_from_a_running_swarm(tmp_path: Path) -> None:
     except AssertionError as e:  # every process's last words, for a failure seen only on a busy machine
         raise AssertionError(f"{e}\n{s.log_tails()}") from None
     finally:
+        silent.popen.kill()
         s.close()
 
 
