@@ -53,7 +53,7 @@ def build(preset: str) -> tuple[Any, Resumed]:
     )  # fmt: skip
     trainer = InnerTrainer(cfg.model, cfg.data, cfg.trainer, seed=0, peer_key="bench")
     trainer.train_steps(1)  # AdamW's moments exist from the first step
-    outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
+    outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer_settings())
     feedback = ErrorFeedback([p.shape for p in outer.params])
     return cfg, Resumed(trainer, outer, feedback, TokenLedger(), ChunkCursor(cfg.trainer.seq_len))
 

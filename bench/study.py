@@ -171,6 +171,18 @@ def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
         Cell("m4-h10-topk-ef0.99", tokens, 4, seeds, overrides=(*h10, "averaging.ef_decay=0.99")),
         Cell("m4-h10-topk-4bit", tokens, 4, seeds, overrides=(*h10, "averaging.topk_value_bits=4")),
     ]
+    # the plain step's rate by group size (the shrinkage grows with M), and lr 3 at H = 20 and 50
+    found += [
+        Cell(f"m{m}-h10-topk-lr{lr}", tokens, m, seeds, overrides=(*h10, f"outer.lr={lr}"))
+        for m, rates in ((2, (1, 2, 3)), (8, (2, 3, 5)))
+        for lr in rates
+    ]
+    found += [
+        Cell(
+            f"m4-h{h}-topk-lr3", tokens, 4, seeds, overrides=(f"trainer.inner_steps={h}", topk, "outer.lr=3")
+        )
+        for h in (20, 50)
+    ]
     return found
 
 

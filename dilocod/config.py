@@ -102,6 +102,7 @@ class AveragingConfig:
     # bandwidth, at least 60 s (peers/linkbudget.py)
     state_timeout: float = 0.0
     # mean (undefended) | trimmed_mean | median | centered_clip: how a part's contributions are combined
+    # (topk has its own rule: docs/trust.md)
     reducer: str = "centered_clip"
     trim_fraction: float = 0.2  # trimmed_mean: share cut from each side
     clip_tau: float | None = None  # centered_clip radius; unset = derived from the data
@@ -277,6 +278,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     adversary: AdversaryConfig = field(default_factory=AdversaryConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+
+    def outer_settings(self) -> OuterConfig:
+        """The outer step as the run takes it: `[outer]`, with sgd's own rate for sparse pseudo-gradients when
+        `outer.lr` is 0 (`OuterConfig.for_sparse`)."""
+        return self.outer.for_sparse() if self.averaging.compression == "topk" else self.outer
 
     def validate(self) -> None:
         if self.model.preset not in PRESETS:

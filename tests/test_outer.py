@@ -498,3 +498,14 @@ def test_lr_0_is_the_optimizers_own() -> None:
 def test_adaptive_settings_are_checked(cfg: OuterConfig, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         OuterOptimizer([vec(THETA0)], cfg)
+
+
+def test_sparse_pseudo_gradients_take_sgds_own_rate_of_three() -> None:
+    """`outer.lr = 0` with topk: 3, the study's best plain step for sparse means; a set rate stays."""
+    from dilocod.config import load_config
+
+    assert load_config(None, ["averaging.compression=topk"]).outer_settings().step_lr == 3.0
+    assert load_config(None, ["averaging.compression=topk", "outer.lr=1"]).outer_settings().step_lr == 1.0
+    assert load_config(None, ["averaging.compression=int4"]).outer_settings().step_lr == 1.0
+    adaptive = load_config(None, ["averaging.compression=topk", "outer.optimizer=fedadam"]).outer_settings()
+    assert adaptive.step_lr == 3e-3

@@ -26,7 +26,7 @@ class Replica:
         self.trainer = InnerTrainer(
             cfg.model, cfg.data, cfg.trainer, seed=cfg.run.seed, peer_key=peer_key, corpus=corpus
         )
-        self.outer = OuterOptimizer(self.trainer.working_params_fp32(), cfg.outer)
+        self.outer = OuterOptimizer(self.trainer.working_params_fp32(), cfg.outer_settings())
         feedback = cfg.averaging.error_feedback([p.shape for p in self.outer.params])
         # Public peers, no adversary: `keep_previous` is only for private peers without overlap.
         settings = PipelineSettings(cfg.outer.overlap, cfg.outer.fragments, cfg.outer.mix_alpha)

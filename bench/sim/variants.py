@@ -88,7 +88,7 @@ def name(variant: Variant, cfg: Config, speeds: Sequence[float] | None) -> str:
     """What the variant is, from the config it actually runs with (defaults included)."""
     if variant.dp:
         return f"dp {cfg.trainer.optimizer}"
-    outer = cfg.outer
+    outer = cfg.outer_settings()
     overlap = f"streaming/{outer.fragments}" if outer.overlap == "streaming" else outer.overlap
     step = "" if outer.optimizer == "sgd" else f"{outer.optimizer} "
     text = (

@@ -9,6 +9,7 @@ with the same bits. So each update is a chain of plain elementwise ops, one roun
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -22,6 +23,10 @@ RELEASE_BYTES = 256 << 20
 OVERLAP_MODES = ("none", "delayed", "streaming")
 OUTER_OPTIMIZERS = ("sgd", "fedadam", "fedyogi")
 SGD_LR = 1.0  # outer.lr = 0 with sgd: the replicas' weighted average (with no momentum)
+# outer.lr = 0 with sgd and the sparse codec: the sparse mean divides a coordinate that few members sent by
+# every member's weight, and the error feedback fades; 3 was the best of 1–5 at M = 4 and 8 and within 1 %
+# of the best (2) at M = 2 in the study's quick look (docs/benchmarks.md)
+SPARSE_SGD_LR = 3.0
 # outer.lr = 0 with fedadam / fedyogi: the best of 1e-3, 3e-3 and 1e-2 in the study's quick look
 ADAPTIVE_LR = 3e-3
 MAX_ADAPTIVE_LR = 0.1  # above it an adaptive step moves each value farther than any inner step would
@@ -41,8 +46,8 @@ class OuterConfig:
     # θ ← θ − lr·m / (√v + τ); no bias correction, as in the paper. They keep one more buffer (4 bytes a
     # parameter, served to joiners and checkpointed with θ_global and m).
     optimizer: str = "sgd"
-    # The outer step's learning rate; 0: the optimizer's own, 1.0 for sgd and ADAPTIVE_LR for fedadam and
-    # fedyogi (their step moves each value by about lr, not by lr × Δ). sgd with lr 1 and no momentum:
+    # The outer step's learning rate; 0: the optimizer's own, 1.0 for sgd (3.0 with averaging.compression =
+    # topk) and ADAPTIVE_LR for fedadam and fedyogi (their step moves each value by about lr, not by lr × Δ). sgd with lr 1 and no momentum:
     # θ_global becomes the replicas' weighted average, 6–16 % below DiLoCo's published step (lr 0.7, Nesterov
     # momentum 0.9) at H = 10 and 50 in every seed of the tiny preset's convergence study
     # (docs/benchmarks.md); configs/small|124m|1b.toml keep the latter.
@@ -69,6 +74,13 @@ class OuterConfig:
     def step_lr(self) -> float:
         """The learning rate the step uses: `lr`, or the optimizer's own when it is 0."""
         return self.lr or (ADAPTIVE_LR if self.adaptive else SGD_LR)
+
+    def for_sparse(self) -> OuterConfig:
+        """These settings for a run whose pseudo-gradients are sparse (`topk`): sgd's own rate is
+        SPARSE_SGD_LR there (an `lr` that is set stays as set)."""
+        if self.lr or self.adaptive:
+            return self
+        return dataclasses.replace(self, lr=SPARSE_SGD_LR)
 
     @property
     def adaptive(self) -> bool:

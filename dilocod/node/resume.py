@@ -69,7 +69,7 @@ def build_trainer(
     )
     if checkpoint is None and cfg.model.init:
         _start_from_init(cfg, trainer)
-    outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer)
+    outer = OuterOptimizer(trainer.working_params_fp32(), cfg.outer_settings())
     if trainer.device.type == "cuda":
         outer.pin_memory()
     tokens = TokenLedger(fragments=_fragments(cfg, outer))
