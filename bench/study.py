@@ -131,8 +131,9 @@ def cells(scale: float = 1.0) -> list[Cell]:
 def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
     """Sparse pseudo-gradients (`averaging.compression=topk`: error feedback with decay 0.95, the plain step)
     at M = 4: density 0.78, 1.56 (the default) and 3.1 % × H 10, 20, 50, each against dense int4 at its H;
-    at H = 50 the error feedback's decay, 4-bit values and the outer step; 1.56 % at M = 2 and 8."""
-    topk = "averaging.compression=topk"
+    at H = 50 the error feedback's decay, 4-bit values and the outer step; 1.56 % at M = 2 and 8. A cell
+    without `lr` in its name takes lr 1 (what the quick look measured them with: the default is now 3)."""
+    topk = "averaging.compression=topk", "outer.lr=1"
     found = [
         Cell(
             f"m4-h{h}-int4",
@@ -146,22 +147,24 @@ def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
     densities = {"": None, "-d0.78": "0.0078125", "-d3.1": "0.03125"}
     found += [
         Cell(f"m4-h{h}-topk{tag}", tokens, 4, seeds, overrides=(
-            f"trainer.inner_steps={h}", topk, *((f"averaging.topk_density={d}",) if d else ())))
+            f"trainer.inner_steps={h}", *topk, *((f"averaging.topk_density={d}",) if d else ())))
         for h in (50, 10, 20)
         for tag, d in densities.items()
     ]  # fmt: skip
-    h50 = ("trainer.inner_steps=50", topk)
+    h50 = ("trainer.inner_steps=50", *topk)
     found += [
         Cell("m4-h50-topk-ef0.9", tokens, 4, seeds, overrides=(*h50, "averaging.ef_decay=0.9")),
         Cell("m4-h50-topk-ef0.99", tokens, 4, seeds, overrides=(*h50, "averaging.ef_decay=0.99")),
         Cell("m4-h50-topk-4bit", tokens, 4, seeds, overrides=(*h50, "averaging.topk_value_bits=4")),
         Cell("m4-h50-topk-nag", tokens, 4, seeds, overrides=(*h50, "outer.lr=0.7", "outer.momentum=0.9")),
-        Cell("m4-h50-topk-fedadam", tokens, 4, seeds, overrides=(*h50, "outer.optimizer=fedadam")),
+        Cell(
+            "m4-h50-topk-fedadam", tokens, 4, seeds, overrides=(*h50, "outer.lr=0", "outer.optimizer=fedadam")
+        ),
     ]
     found += [Cell(f"m{m}-h50-topk", tokens, m, seeds, overrides=h50) for m in (2, 8)]
     # at H = 10, where the quick look has 13 outer steps: a larger plain step (the sparse mean divides a
     # coordinate only one member sent by all M), the published Nesterov step, a slower decay, 4-bit values
-    h10 = ("trainer.inner_steps=10", topk)
+    h10 = ("trainer.inner_steps=10", *topk)
     found += [
         *(
             Cell(f"m4-h10-topk-lr{lr}", tokens, 4, seeds, overrides=(*h10, f"outer.lr={lr}"))
@@ -179,7 +182,7 @@ def topk_cells(tokens: int, seeds: tuple[int, ...]) -> list[Cell]:
     ]
     found += [
         Cell(
-            f"m4-h{h}-topk-lr3", tokens, 4, seeds, overrides=(f"trainer.inner_steps={h}", topk, "outer.lr=3")
+            f"m4-h{h}-topk-lr3", tokens, 4, seeds, overrides=(f"trainer.inner_steps={h}", *topk, "outer.lr=3")
         )
         for h in (20, 50)
     ]

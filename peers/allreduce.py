@@ -16,7 +16,8 @@ part it sends (its own share too, so every contribution went through the same co
 every copy — a payload that does not decode is screened like a non-finite part — reduces the decoded
 values, encodes the result once and sends those bytes back; every member, the reducer included, keeps
 decode(encode(result)), so all apply identical values. A sparse codec's parts are relayed instead
-(`peers/partrelay.py`): each reducer forwards its part's payloads and every member reduces them itself, alike.
+(`peers/partrelay.py`): each reducer forwards its part's payloads with the coefficient it gave each, and every
+member combines them itself, to the same bits.
 Parts hold `part_size_bytes / 4` elements whatever
 the codec, so part boundaries sit at fixed offsets of each tensor; when the codec's blocks divide that
 size, encoding part by part gives exactly what encoding each whole tensor would (which is what lets a
@@ -45,7 +46,16 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import attach_event_on_finished
 
 from peers.partreduce import BufferingReducer, PartCheck, PartReduce, PartReply, own_share, weighted_mean
-from peers.partrelay import pack_reply, relays, statuses, unpack_rows
+from peers.partrelay import (
+    PAYLOAD,
+    PartWeigh,
+    combine,
+    mean_weigh,
+    pack_reply,
+    relays,
+    statuses,
+    unpack_reply,
+)
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,
@@ -76,6 +86,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         check_part: PartCheck | None = None,
         codec: PartCodec | None = None,
         reply_part: PartReply | None = None,
+        weigh_part: PartWeigh | None = None,
         **kwargs: object,
     ) -> None:
         if codec is not None:
@@ -92,8 +103,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.codec = codec
         self.relay = relays(codec)
-        # Relaying: every sender's payload of each of our parts, (part, sender) → bytes, until the round ends.
+        # Relaying: every sender's payload of each of our parts, (part, sender) → bytes, until the round ends,
+        # and each of our parts' coefficients, by sender.
         self._payloads: dict[tuple[int, int], bytes] = {}
+        self._coefficients: dict[int, list[float]] = {}
+        self._weigh_part = weigh_part or mean_weigh
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
@@ -102,8 +116,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = BufferingReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
-            reduce_part or weighted_mean,
-            None if self.relay else codec,  # relayed parts are never re-encoded: members reduce them alike
+            self._weigh_and_combine if self.relay else reduce_part or weighted_mean,
+            None if self.relay else codec,  # relayed parts are never re-encoded: members combine them alike
         )
         self.sender_weights = [float(sender_weights.get(peer, 0.0)) for peer in self.sender_peer_ids]
         # Contributions this reducer dropped (wrong shape, NaN/Inf, a payload that does not decode).
@@ -181,13 +195,27 @@ class ExactAllReduceRunner(AllReduceRunner):
 
         return checked
 
+    def _weigh_and_combine(
+        self, stacked: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """A relayed part's reduction at its reducer: the coefficients every member will combine with, kept for
+        the replies, and the combination itself (`peers/partrelay.py`)."""
+        coefficients, faulty = self._weigh_part(stacked, weights)
+        found = [float(c) for c in coefficients.tolist()]
+        rows = self.tensor_part_reducer.contributions  # type: ignore[attr-defined]
+        by_sender = [0.0] * len(self.sender_peer_ids)
+        for sender, coefficient in zip(sorted(rows), found, strict=True):
+            by_sender[sender] = coefficient
+        self._coefficients[self.tensor_part_reducer.current_part_index] = by_sender
+        return combine(stacked, found), faulty
+
     def _reduce_relayed(self, reply: torch.Tensor, peer_index: int, part_index: int) -> torch.Tensor | None:
-        """Our part `part_index` of reducer `peer_index`, reduced here from the payloads it relayed."""
+        """Our part `part_index` of reducer `peer_index`, combined here from the payloads it relayed."""
         assert self.codec is not None
         own = self._own_inputs[peer_index][part_index]
         if reply.dtype != torch.uint8 or reply.dim() != 1:
             return None
-        rows = unpack_rows(
+        return unpack_reply(
             reply.contiguous().numpy().tobytes(),
             receiver=self.sender_peer_ids.index(self.peer_id),
             own_payload=encode_or_empty(self.codec, own),  # what we sent: the encoder is deterministic
@@ -195,12 +223,6 @@ class ExactAllReduceRunner(AllReduceRunner):
             numel=own.numel(),
             weights=self.sender_weights,
         )
-        if rows is None:
-            return None
-        stacked, weights = rows
-        if not len(weights):
-            return torch.zeros(own.numel())
-        return self.tensor_part_reducer.reduce_part(stacked, weights)[0]  # type: ignore[attr-defined]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -385,13 +407,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         """The other senders' payloads of one of our parts; with `reply_part`, its result in place of
         each of them."""
         assert self.codec is not None
-        rows = self.tensor_part_reducer.rows[part_index]  # type: ignore[attr-defined]
+        coefficients = self._coefficients[part_index]
+        senders = [s for s, _ in self.tensor_part_reducer.rows[part_index]]  # type: ignore[attr-defined]
+        status = statuses(senders, coefficients)
+        relayed = [s for s in senders if status[s] == PAYLOAD]
         if self.reply_part is not None:
             lie = encode_or_empty(self.codec, self.reply_part(averaged))
-            payloads = {s: lie for s, _ in rows}
-        else:
-            payloads = {s: self._payloads[(part_index, s)] for s, w in rows if w > 0}
-        return pack_reply(statuses(len(self.sender_peer_ids), rows), payloads, sender_index)
+            return pack_reply(status, coefficients, dict.fromkeys(relayed, lie), sender_index)
+        payloads = {s: self._payloads[(part_index, s)] for s in relayed}
+        return pack_reply(status, coefficients, payloads, sender_index)
 
 
 async def _until_sender_closes(stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:

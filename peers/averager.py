@@ -41,6 +41,7 @@ from peers.deadlines import allreduce_cancelled_reason
 from peers.grouping import reducer_bandwidths, share_by_bandwidth
 from peers.membership import agree, decode_gathered, gathered_proof, normalized, warn_once
 from peers.partreduce import PartCheck, PartReduce, PartReply
+from peers.partrelay import PartWeigh
 from peers.state.donors import StateDonors, StateProvider
 from peers.wirecodec import PartCodec
 
@@ -144,6 +145,7 @@ class RunAverager(StateDonors):
         state_provider: StateProvider | None = None,
         reduce_part: PartReduce | None = None,
         check_part: PartCheck | None = None,
+        weigh_part: PartWeigh | None = None,
         codec: PartCodec | None = None,
         reply_part: PartReply | None = None,
         auth: RunAuth | None = None,
@@ -152,6 +154,7 @@ class RunAverager(StateDonors):
     ) -> None:
         # Set before super().__init__ forks: the averager process inherits them.
         self._reduce_part, self._check_part, self._reply_part = reduce_part, check_part, reply_part
+        self._weigh_part = weigh_part
         self._max_reducers = max_reducers
         self._codec = codec
         self._subset: list[int] | None = None  # which tensors the next round averages (None: all)
@@ -376,6 +379,7 @@ class RunAverager(StateDonors):
             sender_weights=dict(zip(group_info.peer_ids, weights)),
             reduce_part=self._reduce_part,
             check_part=self._check_part,
+            weigh_part=self._weigh_part,
             codec=self._codec,
             reply_part=self._reply_part,
             **kwargs,

@@ -20,6 +20,7 @@ from peers.grouping import chunk_timeout, matchmaking_window, round_group_bits
 from peers.linkbudget import DEFAULT_RATE, LinkEstimate, LinkRule, allreduce_deadline, state_deadline
 from peers.node import Node, stop_child
 from peers.partreduce import PartCheck, PartReduce, PartReply
+from peers.partrelay import PartWeigh
 from peers.shmem import release
 from peers.state.donors import StateProvider
 from peers.wirecodec import PartCodec
@@ -44,6 +45,9 @@ class AveragingSettings:
     # it receives; both are pure functions supplied by the caller.
     reduce_part: PartReduce | None = field(default=None, compare=False)
     check_part: PartCheck | None = field(default=None, compare=False)
+    # With a codec whose parts are relayed (peers/partrelay.py): how a reducer weighs the rows every member
+    # then combines (default: the weighted mean); `reduce_part` is not used then.
+    weigh_part: PartWeigh | None = field(default=None, compare=False)
     # How parts travel: None sends exact fp32; a codec encodes every part and every average (and keys the
     # matchmaking by its name, so only peers with the same codec meet).
     codec: PartCodec | None = field(default=None, compare=False)
@@ -166,6 +170,7 @@ class GroupAverager:
             state_provider=self._state_provider,
             reduce_part=opts.reduce_part,
             check_part=opts.check_part,
+            weigh_part=opts.weigh_part,
             codec=opts.codec,
             reply_part=opts.reply_part,
             max_reducers=opts.max_reducers,

@@ -10,12 +10,13 @@ from dilocod.aggregation.sparse import (
     SparseRow,
     aggregate,
     check_row,
+    clip_coefficients,
     clip_factors,
-    clipped_mean,
     copied_pairs,
     overlap,
 )
 from dilocod.codecs import TopKCodec
+from peers.partrelay import combine
 
 
 def row(positions: list[int], values: list[float]) -> SparseRow:
@@ -121,8 +122,8 @@ def test_nobody_with_weight_gives_zeros() -> None:
     assert torch.equal(aggregate([], torch.zeros(0), 4).dense, torch.zeros(4))
 
 
-def test_clipped_mean_on_dense_rows_is_the_sparse_aggregate() -> None:
-    """What a reducer runs on a part of decoded payloads (zeros off each support) is the rule on its rows."""
+def test_clip_coefficients_on_dense_rows_give_the_sparse_aggregate() -> None:
+    """What a reducer weighs a part of decoded payloads with (zeros off each support) is the rule on its rows."""
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(3 * 4096, generator=gen) * s for s in (1.0, 1.2, 40.0)]
     rows = [topk_row(x) for x in xs]
@@ -130,15 +131,17 @@ def test_clipped_mean_on_dense_rows_is_the_sparse_aggregate() -> None:
     for i, r in enumerate(rows):
         dense[i, r.positions] = r.values
     weights = torch.tensor([1.0, 0.5, 1.0])
-    got = clipped_mean(dense, weights)
+    coefficients = clip_coefficients(dense, weights)
+    got = combine(dense, coefficients.tolist())
     expected = aggregate(rows, weights, 3 * 4096).dense
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)  # float64 sums in two orders
     assert float(got.norm()) < 2 * float(dense[:2].norm(dim=1).max())  # the ×40 row clipped to the median
+    assert coefficients[2] < weights[2] / weights.sum() / 10  # ... by its coefficient
 
 
-def test_clipped_mean_never_multiplies_a_screened_row() -> None:
+def test_clip_coefficients_never_take_a_screened_rows_norm() -> None:
     rows = torch.tensor([[1.0, 0.0, 2.0], [float("nan"), 1.0, 0.0], [0.0, 3.0, 1.0]])
-    got = clipped_mean(rows, torch.tensor([1.0, 0.0, 1.0]))
-    assert bool(torch.isfinite(got).all())
-    assert torch.equal(clipped_mean(rows[[0, 2]], torch.tensor([1.0, 1.0])), got)
-    assert torch.equal(clipped_mean(rows, torch.zeros(3)), torch.zeros(3))
+    coefficients = clip_coefficients(rows, torch.tensor([1.0, 0.0, 1.0]))
+    # a pair: the larger row (norm √10) clipped to the lower one (√5)
+    assert coefficients.tolist() == pytest.approx([0.5, 0.0, 0.5 * (5 / 10) ** 0.5], rel=1e-12)
+    assert clip_coefficients(rows, torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]

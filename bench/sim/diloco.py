@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocod.aggregation.partrules import make_part_reduce
+from dilocod.aggregation.partrules import make_part_reduce, make_part_weigh
 from dilocod.config import Config
 from dilocod.rounds.pipeline import Contribution
 from dilocod.trainer import Corpus
+from peers.partrelay import combine
 
 from .allreduce import agreed_weights, group_average, payload_bytes
 from .replica import Replica
@@ -64,10 +65,16 @@ class DilocoRun:
     def __init__(self, cfg: Config, keys: Sequence[str], corpus: Corpus) -> None:
         self.replicas = [Replica(cfg, key, corpus) for key in keys]
         self.reduce_part = make_part_reduce(
-            cfg.averaging.reducer_settings(),
-            cfg.averaging.screening_settings(),
-            sparse=cfg.averaging.compression == "topk",
+            cfg.averaging.reducer_settings(), cfg.averaging.screening_settings()
         )
+        if (
+            cfg.averaging.compression == "topk"
+        ):  # relayed: weighed by the sparse rule, combined by every member
+            weigh = make_part_weigh(cfg.averaging.screening_settings())
+            self.reduce_part = lambda stacked, weights: (
+                combine(stacked, weigh(stacked, weights)[0].tolist()),
+                [],
+            )
         self.codec = cfg.averaging.wire_codec()
         self.overlapped = cfg.outer.overlap != "none"
         self.bytes_sent = 0

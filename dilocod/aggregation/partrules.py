@@ -1,6 +1,7 @@
-"""The reduction a reducer runs on one part, and the check a member runs on an average it receives.
+"""The reduction a reducer runs on one part, the check a member runs on an average it receives, and, for the
+sparse codec whose parts are relayed, how a reducer weighs the rows every member combines.
 
-These are the two functions the networking layer is given (it knows nothing of robust statistics):
+These are the functions the networking layer is given (it knows nothing of robust statistics):
 screening drops rows that are non-finite or far larger than the group's median norm, then the
 configured reducer combines the rest. `mean` is the undefended baseline: it screens only non-finite
 rows, so that the benchmark can show what the defenses buy.
@@ -14,11 +15,12 @@ import torch
 
 from dilocod.aggregation.reducers import ReducerSettings, make_reducer
 from dilocod.aggregation.screening import ScreeningSettings, faulty, screen
-from dilocod.aggregation.sparse import clipped_mean
+from dilocod.aggregation.sparse import clip_coefficients
 from dilocod.aggregation.verify import average_bound, plausible_average
 
 PartReduce = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 PartCheck = Callable[[torch.Tensor, torch.Tensor, float], bool]
+PartWeigh = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[int]]]
 
 # A receiver knows only its own copy of a part; it assumes the group's median norm is at most this
 # many times its own (see verify.py for what a too-small estimate costs).
@@ -28,14 +30,9 @@ OWN_NORM_SLACK = 10.0
 MAX_SHARE_SCALE = 100.0
 
 
-def make_part_reduce(
-    reducer: ReducerSettings, screening: ScreeningSettings, *, sparse: bool = False
-) -> PartReduce:
-    """The reduction of one part. `sparse`: the parts are decoded top-k payloads, combined by the sparse
-    rule (`sparse.py`: each row clipped to the group's norm bound, the mean over every member's weight)
-    whatever `reducer` names, since coordinate-wise rules see one value a coordinate there."""
-    reduce = sparse_reduce if sparse else make_reducer(reducer)
-    defended = sparse or reducer.name != "mean"
+def make_part_reduce(reducer: ReducerSettings, screening: ScreeningSettings) -> PartReduce:
+    reduce = make_reducer(reducer)
+    defended = reducer.name != "mean"
 
     def reduce_part(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         if defended:
@@ -48,11 +45,18 @@ def make_part_reduce(
     return reduce_part
 
 
-def sparse_reduce(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`clipped_mean`. Copied supports are not judged here: honest members' top-k supports overlap by 40 % or
-    more in every round of the test swarm (their Δs start from one θ_global), so overlap is no evidence; a
-    copy's values are clipped like any row's."""
-    return clipped_mean(stacked, weights)
+def make_part_weigh(screening: ScreeningSettings) -> PartWeigh:
+    """How a reducer weighs a part of top-k payloads, which every member then combines: screening as for the
+    dense reducers, then the sparse rule's coefficients (`sparse.py`: each row clipped to the group's norm
+    bound, the mean over every member's weight). Copied supports are not judged: honest members' top-k
+    supports overlap by 40 % or more in every round of the test swarm (their Δs start from one θ_global), so
+    overlap is no evidence; a copy's values are clipped like any row's."""
+
+    def weigh_part(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        kept = screen(stacked, weights, screening)
+        return clip_coefficients(stacked, kept), faulty(stacked, weights, kept, screening)
+
+    return weigh_part
 
 
 def make_part_check(screening: ScreeningSettings) -> PartCheck:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dilocod.aggregation._det import row_sq_norms, sum_rows
+from dilocod.aggregation._det import row_sq_norms
 from dilocod.aggregation.screening import row_bounds
 
 COPY_OVERLAP = 0.4  # the share of a support found in another's that flags the pair as a copy
@@ -119,17 +119,15 @@ def aggregate(rows: Sequence[SparseRow], weights: torch.Tensor, numel: int) -> S
     return SparseAggregate(dense, factors, copied_pairs(rows))
 
 
-def clipped_mean(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The rule above on one part of decoded payloads: `stacked` [n, d] holds each member's values with zeros
-    off its support; each row is clipped to its bound, then Σ_i w_i·c_i·x_i / Σ_i w_i over the rows with
-    weight > 0, summed in row order in float64 (what a reducer of the butterfly runs: `partrules.py`)."""
+def clip_coefficients(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The rule above on one part of decoded payloads, as each row's coefficient (float64 [n]): wᵢ·cᵢ / Σ w over
+    the rows with weight > 0 (0 for the others). `stacked` [n, d] holds each member's values, zeros off its
+    support; every member combines the rows with these (`peers/partrelay.py`)."""
     w = weights.to(torch.float64)
     total = float(w.sum())
     if total <= 0:
-        return torch.zeros(stacked.shape[1], dtype=torch.float32)
-    included = w > 0  # a screened row (weight 0) may hold NaN: never multiplied, not even by 0
+        return torch.zeros_like(w)
+    included = w > 0  # a screened row (weight 0) may hold NaN: its norm is never taken
     norms = torch.zeros_like(w)
     norms[included] = row_sq_norms(stacked[included]).sqrt()
-    factors = clip_factors(norms, w)
-    coefs = (w * factors / total)[included].tolist()
-    return sum_rows(stacked[included], coefs).to(torch.float32)
+    return w * clip_factors(norms, w) / total

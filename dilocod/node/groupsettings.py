@@ -3,7 +3,7 @@ auxiliary reducers (bootstrap, helper), which must match in everything but their
 
 from __future__ import annotations
 
-from dilocod.aggregation.partrules import make_part_check, make_part_reduce
+from dilocod.aggregation.partrules import make_part_check, make_part_reduce, make_part_weigh
 from dilocod.config import Config
 from peers.group import AveragingSettings
 from peers.linkbudget import LinkRule
@@ -44,9 +44,9 @@ def averaging_settings(
         mode=mode,
         # Every reducer of the run reduces alike, screened and robust (an honest peer would otherwise see an
         # auxiliary reducer's averages as implausible and ban it).
-        reduce_part=make_part_reduce(
-            avg.reducer_settings(), avg.screening_settings(), sparse=avg.compression == "topk"
-        ),
+        reduce_part=make_part_reduce(avg.reducer_settings(), avg.screening_settings()),
+        # topk's parts are relayed: the reducer weighs them by the sparse rule, every member combines them.
+        weigh_part=make_part_weigh(avg.screening_settings()),
         # A trainer checks the averages it receives; `mean` is the undefended baseline, with no check either.
         check_part=None
         if aux or avg.reducer == "mean" or not check_reducers
