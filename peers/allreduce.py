@@ -46,16 +46,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import attach_event_on_finished
 
 from peers.partreduce import BufferingReducer, PartCheck, PartReduce, PartReply, own_share, weighted_mean
-from peers.partrelay import (
-    PAYLOAD,
-    PartWeigh,
-    combine,
-    mean_weigh,
-    pack_reply,
-    relays,
-    statuses,
-    unpack_reply,
-)
+from peers.partrelay import PartRelay, PartWeigh, relays
 from peers.wirecodec import (
     CodecCompression,
     PartCodec,
@@ -102,22 +93,23 @@ class ExactAllReduceRunner(AllReduceRunner):
             kwargs["compression"] = CodecCompression(codec)
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.codec = codec
-        self.relay = relays(codec)
-        # Relaying: every sender's payload of each of our parts, (part, sender) → bytes, until the round ends,
-        # and each of our parts' coefficients, by sender.
-        self._payloads: dict[tuple[int, int], bytes] = {}
-        self._coefficients: dict[int, list[float]] = {}
-        self._weigh_part = weigh_part or mean_weigh
         # A failed reducer's part then comes back as our own input (not zeros); the caller sees
         # `failed_size > 0` and knows its result is not the group's.
         self.tensor_part_container.return_deltas = False
         # The stock reducer built by super() is never used; mark it finished so it does not log on deletion.
         self.tensor_part_reducer.finished.set()
+        # Relaying (a sparse codec): our parts' payloads and coefficients, for the replies.
+        self._relay = (
+            PartRelay(codec, len(self.sender_peer_ids), weigh_part)
+            if codec is not None and relays(codec)
+            else None
+        )
+        relaying = self._relay is not None
         self.tensor_part_reducer = BufferingReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
-            self._weigh_and_combine if self.relay else reduce_part or weighted_mean,
-            None if self.relay else codec,  # relayed parts are never re-encoded: members combine them alike
+            self._weigh_and_combine if relaying else reduce_part or weighted_mean,
+            None if relaying else codec,  # relayed parts are never re-encoded: members combine them alike
         )
         self.sender_weights = [float(sender_weights.get(peer, 0.0)) for peer in self.sender_peer_ids]
         # Contributions this reducer dropped (wrong shape, NaN/Inf, a payload that does not decode).
@@ -173,8 +165,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             received: torch.Tensor | None = part
             if remote:
                 self.bytes_received += part.numel() * part.element_size()  # the message's tensor buffer
-                if self.relay:
-                    received = self._reduce_relayed(part, peer_index, part_index)
+                if self._relay is not None:
+                    receiver = self.sender_peer_ids.index(self.peer_id)
+                    received = self._relay.combined(
+                        part, receiver=receiver, own=own, weights=self.sender_weights
+                    )
                 elif self.codec is not None:  # our own reductions arrive decoded already
                     received = decode_payload_tensor(self.codec, part, own.numel())
                 if self.codec is not None:
@@ -198,31 +193,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _weigh_and_combine(
         self, stacked: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]]:
-        """A relayed part's reduction at its reducer: the coefficients every member will combine with, kept for
-        the replies, and the combination itself (`peers/partrelay.py`)."""
-        coefficients, faulty = self._weigh_part(stacked, weights)
-        found = [float(c) for c in coefficients.tolist()]
-        rows = self.tensor_part_reducer.contributions  # type: ignore[attr-defined]
-        by_sender = [0.0] * len(self.sender_peer_ids)
-        for sender, coefficient in zip(sorted(rows), found, strict=True):
-            by_sender[sender] = coefficient
-        self._coefficients[self.tensor_part_reducer.current_part_index] = by_sender
-        return combine(stacked, found), faulty
-
-    def _reduce_relayed(self, reply: torch.Tensor, peer_index: int, part_index: int) -> torch.Tensor | None:
-        """Our part `part_index` of reducer `peer_index`, combined here from the payloads it relayed."""
-        assert self.codec is not None
-        own = self._own_inputs[peer_index][part_index]
-        if reply.dtype != torch.uint8 or reply.dim() != 1:
-            return None
-        return unpack_reply(
-            reply.contiguous().numpy().tobytes(),
-            receiver=self.sender_peer_ids.index(self.peer_id),
-            own_payload=encode_or_empty(self.codec, own),  # what we sent: the encoder is deterministic
-            codec=self.codec,
-            numel=own.numel(),
-            weights=self.sender_weights,
-        )
+        """A relayed part's reduction at its reducer (`PartRelay`)."""
+        assert self._relay is not None
+        reducer = self.tensor_part_reducer
+        senders = sorted(reducer.contributions)  # type: ignore[attr-defined]  # the rows' order
+        return self._relay.weigh_and_combine(reducer.current_part_index, senders, stacked, weights)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -270,8 +245,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         """decode(encode(our part)), exactly what any other reducer would have made of what we send it."""
         assert self.codec is not None
         payload = encode_or_empty(self.codec, part)
-        if self.relay:
-            self._payloads[(part_index, self.sender_peer_ids.index(self.peer_id))] = payload
+        if self._relay is not None:
+            self._relay.keep(part_index, self.sender_peer_ids.index(self.peer_id), payload)
         return self._contribution(payload_message(payload), part_index)
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
@@ -359,8 +334,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 received = await loop.run_in_executor(
                     None, self._contribution, message.tensor_part, part_index
                 )
-                if self.relay:
-                    self._payloads[(part_index, sender_index)] = bytes(message.tensor_part.buffer)
+                if self._relay is not None:
+                    self._relay.keep(part_index, sender_index, bytes(message.tensor_part.buffer))
                 part, weight = self._screen(sender_index, part_index, received)
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
@@ -393,8 +368,14 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _reply(self, averaged: torch.Tensor, part_index: int, sender_index: int) -> runtime_pb2.Tensor:
         """What we send back for one of our parts: the result's exact fp32 bytes, its codec payload, or (relayed)
         the other senders' payloads."""
-        if self.relay:
-            return payload_message(self._relayed(averaged, part_index, sender_index))
+        if self._relay is not None:
+            senders = [s for s, _ in self.tensor_part_reducer.rows[part_index]]  # type: ignore[attr-defined]
+            lie = (
+                None
+                if self.reply_part is None
+                else encode_or_empty(self._relay.codec, self.reply_part(averaged))
+            )
+            return payload_message(self._relay.reply(part_index, senders, sender_index, lie))
         if self.reply_part is not None:
             averaged = self.reply_part(averaged)
         elif self.codec is not None:  # the payload encoded as the part was reduced
@@ -402,20 +383,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         if self.codec is None:
             return _serialize_exact(averaged)
         return payload_message(encode_or_empty(self.codec, averaged))
-
-    def _relayed(self, averaged: torch.Tensor, part_index: int, sender_index: int) -> bytes:
-        """The other senders' payloads of one of our parts; with `reply_part`, its result in place of
-        each of them."""
-        assert self.codec is not None
-        coefficients = self._coefficients[part_index]
-        senders = [s for s, _ in self.tensor_part_reducer.rows[part_index]]  # type: ignore[attr-defined]
-        status = statuses(senders, coefficients)
-        relayed = [s for s in senders if status[s] == PAYLOAD]
-        if self.reply_part is not None:
-            lie = encode_or_empty(self.codec, self.reply_part(averaged))
-            return pack_reply(status, coefficients, dict.fromkeys(relayed, lie), sender_index)
-        payloads = {s: self._payloads[(part_index, s)] for s in relayed}
-        return pack_reply(status, coefficients, payloads, sender_index)
 
 
 async def _until_sender_closes(stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from peers.wirecodec import PartCodec
+from peers.wirecodec import PartCodec, encode_or_empty
 
 ABSENT, ZERO, PAYLOAD = 0, 1, 2
 _COEF = struct.Struct("<d")
@@ -128,3 +128,58 @@ def _plausible(status: Sequence[int], coefficients: Sequence[float], weights: Se
         elif w <= 0 or not 0.0 < c <= w / total * (1 + SHARE_SLACK):
             return False
     return True
+
+
+class PartRelay:
+    """A reducer's side of relaying, for one all-reduce: the payloads of its parts as they arrive, the
+    coefficients it weighed each part with, and the replies it builds from them."""
+
+    def __init__(self, codec: PartCodec, num_senders: int, weigh_part: PartWeigh | None) -> None:
+        self.codec = codec
+        self.num_senders = num_senders
+        self.weigh_part = weigh_part or mean_weigh
+        self.payloads: dict[tuple[int, int], bytes] = {}  # (part, sender) → payload, until the round ends
+        self.coefficients: dict[int, list[float]] = {}  # part → each sender's coefficient
+
+    def keep(self, part_index: int, sender_index: int, payload: bytes) -> None:
+        self.payloads[(part_index, sender_index)] = payload
+
+    def weigh_and_combine(
+        self, part_index: int, senders: Sequence[int], stacked: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The part's rows (of `senders`, in order) weighed, the coefficients kept for the replies, and the
+        combination every member will compute; with the rows found faulty."""
+        coefficients, faulty = self.weigh_part(stacked, weights)
+        found = [float(c) for c in coefficients.tolist()]
+        by_sender = [0.0] * self.num_senders
+        for sender, coefficient in zip(senders, found, strict=True):
+            by_sender[sender] = coefficient
+        self.coefficients[part_index] = by_sender
+        return combine(stacked, found), faulty
+
+    def reply(
+        self, part_index: int, senders: Sequence[int], receiver: int, lie: bytes | None = None
+    ) -> bytes:
+        """The reply to `receiver` for a part reduced from `senders`' rows; `lie` (a test adversary's payload)
+        in place of every relayed one."""
+        coefficients = self.coefficients[part_index]
+        status = statuses(senders, coefficients)
+        relayed = [s for s in senders if status[s] == PAYLOAD]
+        payloads = {s: lie if lie is not None else self.payloads[(part_index, s)] for s in relayed}
+        return pack_reply(status, coefficients, payloads, receiver)
+
+    def combined(
+        self, reply: torch.Tensor, *, receiver: int, own: torch.Tensor, weights: Sequence[float]
+    ) -> torch.Tensor | None:
+        """A part another reducer relayed to us (`receiver`), combined here: hivemind hands its reply over as
+        a uint8 tensor; `own` is our input for that part, whose payload we sent (the encoder is deterministic)."""
+        if reply.dtype != torch.uint8 or reply.dim() != 1:
+            return None
+        return unpack_reply(
+            reply.contiguous().numpy().tobytes(),
+            receiver=receiver,
+            own_payload=encode_or_empty(self.codec, own),
+            codec=self.codec,
+            numel=own.numel(),
+            weights=weights,
+        )
