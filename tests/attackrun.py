@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,21 @@ def honest_identity(index: int) -> Path:
     return key
 
 
-def start_run(root: Path, honest: int, attackers: int, mode: str | None, *extra: str) -> Swarm:
-    """A bootstrap, `attackers` peers in adversary `mode` (none if mode is None: a clean run) and
-    `honest` peers; the group size is the same either way. Honest peers are `swarm.peers[-honest:]`."""
+def start_run(
+    root: Path, honest: int, attackers: int, mode: str | Sequence[str] | None, *extra: str
+) -> Swarm:
+    """A bootstrap, `attackers` peers in adversary `mode` (none if mode is None: a clean run; one mode per
+    attacker if it is a sequence) and `honest` peers; the group size is the same either way. Honest peers
+    are `swarm.peers[-honest:]`."""
+    modes = [] if mode is None else [mode] * attackers if isinstance(mode, str) else list(mode)
+    if mode is not None and len(modes) != attackers:
+        raise ValueError(f"{attackers} attackers need {attackers} modes, got {modes}")
     s = Swarm(root, overrides=(*ATTACK, f"averaging.group_size={honest + attackers}", *extra))
     try:
         s.start_bootstrap()
-        for _ in range(attackers if mode else 0):
+        for attack in modes:
             # stale: 3 rounds old, so that it sends old pseudo-gradients (not zeros) in a short run
-            s.add_peer(f"adversary.mode={mode}", "adversary.stale_rounds=3")
+            s.add_peer(f"adversary.mode={attack}", "adversary.stale_rounds=3")
         for i in range(honest):
             s.add_peer(identity=honest_identity(i))
     except BaseException:

@@ -25,11 +25,11 @@ from tests.harness import Swarm
 
 pytestmark = pytest.mark.integration
 
-KILLS = 5
+KILLS = 3  # two mid-round, one mid-checkpoint; 20 and more in bench/churn.py
 
 
 @pytest.mark.timeout(420)
-def test_sigkill_mid_round_and_mid_checkpoint_five_times(swarm: Callable[..., Swarm]) -> None:
+def test_sigkill_mid_round_and_mid_checkpoint_three_times(swarm: Callable[..., Swarm]) -> None:
     rng = random.Random(int(os.environ.get("CHURN_SEED", "7")))
     s = swarm(4)
     s.wait_all_at(2, timeout=240)
