@@ -160,7 +160,7 @@ class PartRelay:
     def reply(
         self, part_index: int, senders: Sequence[int], receiver: int, lie: bytes | None = None
     ) -> bytes:
-        """The reply to `receiver` for a part reduced from `senders`' rows; `lie` (a test adversary's payload)
+        """The reply to `receiver` for a part reduced from `senders`' rows; `lie` (a lying reducer's payload)
         in place of every relayed one."""
         coefficients = self.coefficients[part_index]
         status = statuses(senders, coefficients)

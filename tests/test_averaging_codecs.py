@@ -126,6 +126,20 @@ def group_order(outcome: RoundOutcome, nodes: list[Node]) -> list[int]:
 ROBUST = make_part_reduce(ReducerSettings("centered_clip"), ScreeningSettings())
 
 
+def trio(key: str, options: list[AveragingSettings]) -> Iterator[tuple[list[Node], list[GroupAverager]]]:
+    """Three averagers with these settings (one each), their nodes and groups, stopped when done."""
+    with started_averagers(key, [torch.zeros(s) for s in SHAPES], options) as groups:
+        yield [g.node for g in groups], groups
+
+
+def checked(**settings: object) -> AveragingSettings:
+    """A member as the daemon runs one: screened, checking what comes back."""
+    return AveragingSettings(
+        target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0,
+        check_part=make_part_check(ScreeningSettings()), **settings,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 # Class-scoped: each trio stops after the last test of the class that uses it.
 @pytest.fixture(scope="class")
 def int8_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
@@ -134,22 +148,12 @@ def int8_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
         AveragingSettings(target_group_size=3, min_matchmaking_time=2.0, matchmaking_timeout=15.0, codec=c)
         for c in codecs
     ]
-    with started_averagers("avgtest-int8", [torch.zeros(s) for s in SHAPES], options) as groups:
-        yield [g.node for g in groups], groups
+    yield from trio("avgtest-int8", options)
 
 
 @pytest.fixture(scope="class")
 def int2_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
-    options = AveragingSettings(
-        target_group_size=3,
-        min_matchmaking_time=2.0,
-        matchmaking_timeout=15.0,
-        reduce_part=ROBUST,
-        check_part=make_part_check(ScreeningSettings()),
-        codec=make_codec("int2"),
-    )
-    with started_averagers("avgtest-int2", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
-        yield [g.node for g in groups], groups
+    yield from trio("avgtest-int2", [checked(reduce_part=ROBUST, codec=make_codec("int2"))] * 3)
 
 
 class TestInt8:
@@ -266,16 +270,7 @@ SPARSE = make_part_weigh(ScreeningSettings())
 
 @pytest.fixture(scope="class")
 def topk_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
-    options = AveragingSettings(
-        target_group_size=3,
-        min_matchmaking_time=2.0,
-        matchmaking_timeout=15.0,
-        weigh_part=SPARSE,
-        check_part=make_part_check(ScreeningSettings()),
-        codec=TOPK,
-    )
-    with started_averagers("avgtest-topk", [torch.zeros(s) for s in SHAPES], [options] * 3) as groups:
-        yield [g.node for g in groups], groups
+    yield from trio("avgtest-topk", [checked(weigh_part=SPARSE, codec=TOPK)] * 3)
 
 
 def reduce_sparse_by_parts(contributions: list[list[torch.Tensor]], order: list[int]) -> list[torch.Tensor]:
