@@ -101,10 +101,14 @@ def part_bytes(codec: Codec) -> int:
 
 
 def reduce_by_parts(
-    contributions: list[list[torch.Tensor]], codec: Codec, reduce: object, order: list[int]
+    contributions: list[list[torch.Tensor]],
+    codec: Codec,
+    reduce: object,
+    order: list[int],
+    reencode: bool = True,
 ) -> list[torch.Tensor]:
     """What the group must apply: each part of the decoded contributions reduced (senders in group order),
-    then encoded and decoded once."""
+    then encoded and decoded once (unless `reencode` is false: relayed parts)."""
     out = []
     for i, shape in enumerate(SHAPES):
         flat = [roundtrip(codec, [c[i]])[0].reshape(-1) for c in contributions]
@@ -112,7 +116,7 @@ def reduce_by_parts(
         for start in range(0, flat[0].numel(), PART):
             stacked = torch.stack([flat[s][start : start + PART] for s in order])
             reduced, _ = reduce(stacked, torch.ones(len(order)))  # type: ignore[operator]
-            parts.append(roundtrip(codec, [reduced])[0])
+            parts.append(roundtrip(codec, [reduced])[0] if reencode else reduced)
         out.append(torch.cat(parts).reshape(shape))
     return out
 
@@ -276,16 +280,12 @@ def topk_trio() -> Iterator[tuple[list[Node], list[GroupAverager]]]:
 def reduce_sparse_by_parts(contributions: list[list[torch.Tensor]], order: list[int]) -> list[torch.Tensor]:
     """What a topk group must apply: each part's decoded top-k rows combined by the sparse rule (every member
     reduces the relayed payloads itself: nothing re-encoded)."""
-    out = []
-    for i, shape in enumerate(SHAPES):
-        flat = [roundtrip(TOPK, [c[i]])[0].reshape(-1) for c in contributions]
-        parts = []
-        for start in range(0, flat[0].numel(), PART):
-            stacked = torch.stack([flat[s][start : start + PART] for s in order])
-            coefficients, _ = SPARSE(stacked, torch.ones(len(order)))
-            parts.append(combine(stacked, coefficients.tolist()))
-        out.append(torch.cat(parts).reshape(shape))
-    return out
+
+    def sparse(stacked: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        coefficients, faulty = SPARSE(stacked, weights)
+        return combine(stacked, coefficients.tolist()), faulty
+
+    return reduce_by_parts(contributions, TOPK, sparse, order, reencode=False)
 
 
 class TestTopK:
