@@ -47,6 +47,7 @@ from dilocod.trust.scoring import (
     gated,
     ratings,
     score,
+    scores_round,
     to_ban,
 )
 from peers.node import Node
@@ -164,6 +165,8 @@ class ContributionScoring:
     async def _score_round(
         self, step: int, start: list[torch.Tensor], members: list[str], new_hash: str
     ) -> None:
+        if not scores_round(step):
+            return
         try:
             records = {r["peer_id"]: r for r in await read_run(self.node)}
             trainers = [m for m in members if records.get(m, {}).get("role") == "peer"]

@@ -48,6 +48,14 @@ def assign_scorers(
     return table
 
 
+def scores_round(step: int) -> bool:
+    """Whether the round that started at outer `step` is scored. Not the run's first (step 0): from the initial
+    weights every Δ mostly learns what all text shares (each lowers the loss by about half on any data), so
+    the claimed data's margin over the reference is a fraction of a percent either way and a verdict on it
+    is noise; one such failure gated an honest, provisional late joiner in a test swarm."""
+    return step >= 1
+
+
 # ---- one score ---------------------------------------------------------------------------------------------
 
 
