@@ -1,6 +1,8 @@
 """Integration: a run with `averaging.compression=topk` through the CLI (a bootstrap and 3 peers), against an
-int4 run of the same settings in the same test: θ_global agrees, training goes on, and each peer puts far
-fewer bytes a token on the wire."""
+int4 run of the same settings in the same test: θ_global agrees, training goes on, each peer puts far fewer
+bytes a token on the wire, and contribution scoring passes the honest peers (it judges each round's own Δ,
+not the error feedback, which with topk holds many rounds of unsent work: judged with it, an honest peer
+failed three rounds in a row from outer step 4 on)."""
 
 from __future__ import annotations
 
@@ -37,12 +39,20 @@ def run_to_step(swarm: Callable[..., Swarm], step: int, *extra: str) -> list[dic
         s.close()
 
 
+def assert_scored_and_never_gated(statuses: list[dict[str, Any]]) -> None:
+    scores = [t for st in statuses for t in st["scoring"]["last_scores"]]
+    assert len(scores) >= 6 and sum(t["passed"] for t in scores) * 10 >= 9 * len(scores), scores
+    views = [st["scoring"] for st in statuses]
+    assert all(v["gated"] == [] and min(v["ratings"].values(), default=1) >= 0.3 for v in views), views
+
+
 @pytest.mark.timeout(600)
-def test_topk_run_agrees_and_sends_a_tenth_of_int4s_bytes(swarm: Callable[..., Swarm]) -> None:
-    sparse = run_to_step(swarm, 4, "averaging.compression=topk")
+def test_topk_run_agrees_scores_and_sends_a_tenth_of_int4s_bytes(swarm: Callable[..., Swarm]) -> None:
+    sparse = run_to_step(swarm, 10, "averaging.compression=topk", "scoring.enabled=true")
+    assert_scored_and_never_gated(sparse)
     dense = run_to_step(swarm, 4, "averaging.compression=int4")
     ratio = bytes_per_token(dense) / bytes_per_token(sparse)
-    # tiny: 0.0289 B a value against int4's 0.531, relayed (n − 1 payloads a member) against reduced (~2)
+    # tiny: 0.0208 B a value against int4's 0.531, relayed (n − 1 payloads a member) against reduced (~2)
     print(
         f"bytes a token: topk {bytes_per_token(sparse):.1f}, int4 {bytes_per_token(dense):.1f}, ratio {ratio:.1f}"
     )

@@ -78,6 +78,15 @@ class ErrorFeedback:
             for d, e in zip(delta, self.residual)
         ]
 
+    def uncompensated(self, sent: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """sent − β·e, fresh fp32 CPU tensors: the round's own Δ in what `compensate` returned (before e
+        changes). With a sparse codec e holds many rounds of work not yet sent, far larger than one Δ."""
+        self._check(sent, "sent")
+        return [
+            torch.sub(s.detach().to(device="cpu", dtype=torch.float32), self._carried(e))
+            for s, e in zip(sent, self.residual)
+        ]
+
     @torch.no_grad()
     def update(self, sent: Sequence[torch.Tensor], transmitted: Sequence[torch.Tensor]) -> None:
         """e ← sent − transmitted. All shapes are checked before any residual changes."""

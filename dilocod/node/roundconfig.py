@@ -30,9 +30,11 @@ def round_settings(cfg: Config) -> RoundSettings:
 
 def pipeline_settings(cfg: Config, private: bool) -> PipelineSettings:
     """The tensor pipeline's overlap mode; a private peer without overlap keeps the round before (it may
-    have to step back to it)."""
+    have to step back to it); with scoring, each contribution carries the round's own Δ for the scorers."""
     overlap = cfg.outer.overlap
-    return PipelineSettings(overlap, cfg.outer.fragments, cfg.outer.mix_alpha, private and overlap == "none")
+    return PipelineSettings(
+        overlap, cfg.outer.fragments, cfg.outer.mix_alpha, private and overlap == "none", cfg.scoring.enabled
+    )
 
 
 def sync_settings(cfg: Config) -> SyncSettings:

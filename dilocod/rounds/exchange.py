@@ -58,7 +58,8 @@ class Exchange:
         if self.scoring is not None:  # kept to be served to whoever scores it
             claimed, _ = self.tampering.claimed(tokens, 0.0)
             chunks = [v for part in self.tokens.parts_sent[-TICKET_SEGMENTS:] for v in part]
-            self.scoring.sent(contribution.step, contribution.sent, contribution.indices, claimed, chunks)
+            own = contribution.own if contribution.own is not None else contribution.sent
+            self.scoring.sent(contribution.step, own, contribution.indices, claimed, chunks)
         average = self.averaging.average(contribution, ticket, self.timer.group_target)
         return InFlight(contribution, tokens, asyncio.create_task(average))
 

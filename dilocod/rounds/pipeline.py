@@ -45,6 +45,7 @@ class PipelineSettings:
     fragments: int = 1  # streaming: how many fragments take turns
     mix_alpha: float = 0.5  # streaming: weight of the local copy when a fragment's θ_global lands
     keep_previous: bool = False  # keep θ_global before each outer step (private peers, no overlap)
+    keep_own_work: bool = False  # scoring: each contribution carries the round's own Δ (`Contribution.own`)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Contribution:
     delta: list[torch.Tensor]  # what we send honestly: Δ (+ the error-feedback residual)
     sent: list[torch.Tensor]  # what goes on the wire (an adversary's lie, or `delta`)
     progress: list[torch.Tensor] | None = None  # delayed: the round's raw progress, resent if not applied
+    # With `keep_own_work`: `sent` less the error feedback it carries, what scorers judge (the work of this
+    # round on the data its ticket claims; a sparse codec's feedback holds many rounds of other data).
+    own: list[torch.Tensor] | None = None
 
 
 class RoundPipeline:
@@ -119,7 +123,10 @@ class RoundPipeline:
         in_place = progress is None
         delta = raw if self.feedback is None else self._feedback(indices).compensate(raw, in_place=in_place)
         sent = self.tampering.sent(delta, indices, self.outer.params)  # `delta` itself, for an honest peer
-        return Contribution(self.outer.step, fragment, indices, delta, sent, progress)
+        own = None
+        if self.settings.keep_own_work:
+            own = sent if self.feedback is None else self._feedback(indices).uncompensated(sent)
+        return Contribution(self.outer.step, fragment, indices, delta, sent, progress, own)
 
     def caught_up(self, averaged: list[torch.Tensor]) -> Contribution | None:
         """Overlap, right after a re-sync: the donor's round in flight at our new outer step, as a
