@@ -115,10 +115,11 @@ class AveragingConfig:
     # 0.2 % of fp32 parts' loss with 1/7.5 of the bytes in the convergence study (docs/benchmarks.md)
     compression: str = "int4"
     # topk: the share of each chunk's values sent, its largest |values| (k = round(density × chunk), at least
-    # 1). The default, SparseLoCo's 64 of 4,096 at 2 bits, is 0.028 bytes a value (1/144 of fp32); a reducer
-    # sends back the union of the group's supports at 8 bits a value (docs/protocol.md)
+    # 1). The default, SparseLoCo's 64 of 4,096 at 2 bits, is 0.020 bytes a value (1/200 of fp32, 1/26.5 of
+    # int4); the group's reducers relay the members' payloads rather than reduce them (docs/protocol.md)
     topk_density: float = 64 / 4096
-    # topk: values a chunk (a power of two, 16 to 65536); each kept value's index takes log2(chunk) bits
+    # topk: values a chunk (a power of two, 16 to 65536); each kept value's index takes about
+    # 2 + log2(1 / density) bits (Elias–Fano)
     topk_chunk: int = 4096
     # topk: bits of each kept value, 2 | 4 | 8, with one bf16 scale a chunk
     topk_value_bits: int = 2

@@ -229,7 +229,7 @@ class GroupAverager:
         if chosen != self._subset:
             await loop.run_in_executor(None, averager.set_subset, chosen)
             self._subset = chosen
-        codec_name = None if self.options.codec is None else self.options.codec.name
+        codec_name = None if self.options.codec is None else self.options.codec.wire_name
         bits = round_group_bits(round_index, codec_name, chosen, self.options.run_tag)
         await loop.run_in_executor(None, averager.set_group_bits, bits)
         if group_target != self._group_target:

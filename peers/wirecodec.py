@@ -20,10 +20,13 @@ class PartCodec(Protocol):
     `encode` turns a 1-D fp32 CPU tensor into exactly `encoded_size(numel)` bytes and raises on NaN/Inf;
     `decode` turns such bytes back into `numel` fp32 values, bit-identically on every machine, and raises
     on anything malformed. Encoding is blockwise with blocks of `alignment` elements counted from the
-    start of the input. `name` identifies the payload format: peers only meet peers with the same name.
+    start of the input. `wire_name` identifies the payload format: peers only meet peers with the same one.
     """
 
     name: str
+
+    @property
+    def wire_name(self) -> str: ...
 
     @property
     def alignment(self) -> int: ...

@@ -4,12 +4,13 @@ refused in one line, and nothing lost to error feedback over many rounds."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
-from dilocod.codecs import CodecError, ErrorFeedback, TopKCodec, roundtrip, topk_per_chunk
+from dilocod.codecs import CodecError, ErrorFeedback, TopKCodec, make_codec, roundtrip, topk_per_chunk
 
 CASES = [  # (numel, chunk, k, value bits)
     (0, 4096, 64, 2),
@@ -24,24 +25,45 @@ CASES = [  # (numel, chunk, k, value bits)
 ]
 
 
+def _index_bits(numel: int, chunk: int, k: int) -> int:
+    """Elias–Fano, chunk by chunk: L = ⌊log2(C/k)⌋ low bits an index, and an upper vector of k_i set bits and
+    ⌊(length − 1)/2^L⌋ + 1 clear ones."""
+    low = max(0, (chunk // k).bit_length() - 1)
+    bits = 0
+    for start in range(0, numel, chunk):
+        length = min(chunk, numel - start)
+        kept = min(k, length)
+        bits += kept * low + kept + ((length - 1) >> low) + 1
+    return bits
+
+
 @pytest.mark.parametrize(("numel", "chunk", "k", "bits"), CASES)
 def test_the_payload_has_its_exact_size(numel: int, chunk: int, k: int, bits: int) -> None:
     codec = TopKCodec(chunk, k, bits)
     full, tail = divmod(numel, chunk)
     kept = full * k + min(k, tail)
-    index_bits = max(1, (chunk - 1).bit_length())
     chunks = -(-numel // chunk)
-    expected = -(-kept * index_bits // 8) + 2 * chunks + -(-kept * bits // 8)
+    expected = -(-_index_bits(numel, chunk, k) // 8) + 2 * chunks + -(-kept * bits // 8)
     assert codec.kept(numel) == kept
     assert codec.encoded_size(numel) == expected
     assert len(codec.encode(torch.randn(numel))) == expected
 
 
-def test_the_default_is_144_times_fewer_bytes_than_fp32() -> None:
-    codec = TopKCodec()  # 64 of every 4,096 values, 2 bits each, 12-bit indices
+def test_the_default_is_200_times_fewer_bytes_than_fp32_and_26_than_int4() -> None:
+    codec = TopKCodec()  # 64 of every 4,096 values, 2 bits each, 6 + 2 bits an index (Elias–Fano)
     per_element = codec.encoded_size(1 << 22) / (1 << 22)
-    assert per_element == pytest.approx((64 * 14 + 16) / 8 / 4096)
-    assert 4 / per_element == pytest.approx(143.7, abs=0.1)
+    assert per_element == pytest.approx((64 * (8 + 2) + 16) / 8 / 4096)
+    assert 4 / per_element == pytest.approx(199.8, abs=0.1)
+    int4 = make_codec("int4").encoded_size(1 << 22) / (1 << 22)
+    assert int4 / per_element == pytest.approx(26.5, abs=0.1)
+
+
+def test_an_index_costs_within_a_bit_of_the_entropy_of_its_chunks_support() -> None:
+    for k in (32, 64, 128):
+        codec = TopKCodec(4096, k, 2)
+        index_bits = 8 * codec.encoded_size(4096) - 16 - 2 * k  # less the scale and the values
+        entropy = (math.lgamma(4097) - math.lgamma(k + 1) - math.lgamma(4097 - k)) / math.log(2)
+        assert entropy <= index_bits < entropy + k, (k, index_bits, entropy)
 
 
 @pytest.mark.parametrize(("numel", "chunk", "k", "bits"), [c for c in CASES if c[0]])
@@ -93,31 +115,40 @@ def _payload(codec: TopKCodec, numel: int) -> bytearray:
     return bytearray(codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(1))))
 
 
+def _forged(codec: TopKCodec, good: bytearray, numel: int, indices: list[int]) -> bytearray:
+    """`good` with its index section replaced by these indices (chunk by chunk, in any order), encoded."""
+    section = codec._pack_indices(torch.tensor(indices, dtype=torch.int64), numel)
+    return bytearray(section) + good[len(section) :]
+
+
 def test_every_malformed_payload_is_refused_in_one_line() -> None:
-    codec = TopKCodec(16, 4, 2)  # 4-bit indices: two a byte, easy to forge
-    numel = 16 * 2 + 5  # two full chunks and a tail of 5
+    codec = TopKCodec(16, 4, 2)  # L = 2 low bits; upper vectors of 8 bits (full chunks) and 6 (the tail)
+    numel = 16 * 2 + 5  # two full chunks and a tail of 5: 24 low bits + 8 + 8 + 6 upper bits, 2 of padding
     good = _payload(codec, numel)
     codec.decode(good, numel)
+    assert codec.decode(
+        _forged(codec, good, numel, [1, 2, 3, 15, 0, 4, 8, 12, 0, 1, 2, 4]), numel
+    ).count_nonzero()
     with pytest.raises(CodecError, match="must be"):
         codec.decode(good[:-1], numel)
     with pytest.raises(CodecError, match="must be"):
         codec.decode(good + b"\0", numel)
-    repeated = bytearray(good)
-    repeated[0] = 0x33  # the first chunk's first two indices both 3
     with pytest.raises(CodecError, match="strictly increase"):
-        codec.decode(repeated, numel)
-    beyond = bytearray(good)
-    beyond[5] = (beyond[5] & 0x0F) | 0xF0  # the tail's index 2 (12th index overall) set to 15 ≥ 5
+        codec.decode(_forged(codec, good, numel, [3, 3, 5, 7, 0, 1, 2, 3, 0, 1, 2, 3]), numel)
+    with pytest.raises(CodecError, match="strictly increase"):
+        codec.decode(_forged(codec, good, numel, [6, 5, 9, 10, 0, 1, 2, 3, 0, 1, 2, 3]), numel)
     with pytest.raises(CodecError, match="beyond its chunk"):
-        codec.decode(beyond, numel)
-    odd = TopKCodec(8, 3, 2)  # 3-bit indices: 9 of them end inside a byte, so its padding can be forged
-    payload = _payload(odd, 24)
-    payload[3] |= 0x80
+        codec.decode(_forged(codec, good, numel, [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 7]), numel)
+    extra = bytearray(good)
+    extra[3] ^= 0x01  # the first upper vector's first bit flipped: a chunk marks 3 or 5 values, not 4
+    with pytest.raises(CodecError, match="exactly 4"):
+        codec.decode(extra, numel)
+    padding = bytearray(good)
+    padding[5] |= 0x80  # bit 47: after the 46 bits of the index section
     with pytest.raises(CodecError, match="padding"):
-        odd.decode(payload, 24)
+        codec.decode(padding, numel)
     scale = bytearray(good)
-    index_bytes = -(-codec.kept(numel) * 4 // 8)
-    scale[index_bytes + 1] |= 0x80  # a negative scale
+    scale[6 + 1] |= 0x80  # the first chunk's bf16 scale made negative
     with pytest.raises(CodecError, match="scale"):
         codec.decode(scale, numel)
 

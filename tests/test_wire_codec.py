@@ -11,7 +11,7 @@ from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from dilocod.codecs import CODEC_NAMES, make_codec, roundtrip
+from dilocod.codecs import CODEC_NAMES, TopKCodec, make_codec, roundtrip
 from peers.grouping import round_group_bits
 from peers.partreduce import BufferingReducer, weighted_mean
 from peers.wirecodec import (
@@ -123,6 +123,15 @@ def test_group_bits_separate_codecs() -> None:
     assert all(bits.startswith(format(5, "032b")) and len(bits) == 48 for bits in keyed.values())
     assert len(set(keyed.values())) == len(LOSSY) + 1
     assert round_group_bits(5, "int2") == keyed["int2"] != round_group_bits(6, "int2")
+
+
+def test_a_changed_payload_layout_gets_its_own_group_key() -> None:
+    # topk's indices went from fixed 12-bit to Elias–Fano under the same config name: peers of the two
+    # layouts must never meet, so the key hashes the format's name, not the config's
+    topk = TopKCodec()
+    assert topk.name == "topk" and topk.wire_name != "topk"
+    assert round_group_bits(5, topk.wire_name) != round_group_bits(5, "topk")
+    assert all(make_codec(name).wire_name == name for name in LOSSY)
 
 
 def test_a_sender_found_faulty_is_logged_with_every_senders_weight_and_norm(

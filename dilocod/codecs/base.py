@@ -61,6 +61,12 @@ class Codec(ABC):
         Accepts bytes, bytearray or memoryview."""
 
     @property
+    def wire_name(self) -> str:
+        """What names the payload format in the round's group key: the name, with a format version where the
+        layout changed under the same name."""
+        return self.name
+
+    @property
     def alignment(self) -> int:
         """Blocks start every `alignment` elements from the input's start: encoding the pieces of a split
         whose pieces start at multiples of it gives exactly what encoding the whole input gives."""
