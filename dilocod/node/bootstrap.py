@@ -20,7 +20,7 @@ from dilocod.manifest.record import Manifest
 from dilocod.node.chunks import ChunkService, serve_no_schedule, start_service
 from dilocod.node.dataset import serve_dataset, served_status
 from dilocod.node.helper import AuxReducer
-from dilocod.node.runtime import STOP_GRACE_SECONDS, install_stop_signals
+from dilocod.node.runtime import STOP_GRACE_SECONDS, install_stop_signals, wait_while
 from dilocod.observability.history import RunHistory
 from dilocod.observability.http import HttpServer
 from dilocod.observability.metrics import Metrics
@@ -118,7 +118,8 @@ class BootstrapDaemon:
                 # A reducer that vanishes mid-round leaves the group with partial means: finish serving
                 # the parts we hold (the round ends on its own deadline at the latest), then stop.
                 log.info("stopping after the round being reduced (at most %.0fs)", STOP_GRACE_SECONDS)
-                await asyncio.wait(tasks, timeout=STOP_GRACE_SECONDS)
+                aux = self.aux
+                await wait_while(lambda: aux.group.in_allreduce, STOP_GRACE_SECONDS)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -25,6 +25,19 @@ STOP_GRACE_SECONDS = (
 )
 
 
+async def wait_while(busy: Callable[[], bool], grace: float, poll: float = 0.1) -> bool:
+    """Return once `busy()` is false (True) or after `grace` s (False): a stop waits for the round in
+    progress, not for the node's long-lived tasks, which end only when cancelled (waiting on those held
+    every bootstrap stop that came mid-round for the whole grace)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while busy():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(poll)
+    return True
+
+
 def run_main(main: Coroutine[Any, Any, int]) -> int:
     """Run `main` on uvloop when it is installed (faster sockets for HTTP), else asyncio's loop."""
     try:
