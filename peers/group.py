@@ -298,14 +298,20 @@ class GroupAverager:
             self.link.timed_out()
             if rule is not None and rule.allreduce:
                 group = max(outcome.group_size, self.options.target_group_size)
-                self.deadlines.set_allreduce_ceiling(allreduce_deadline(rule.size, group, self.link.rate))
+                self._set_allreduce_ceiling(rule, group)
 
     def _measured(self, nbytes: int, seconds: float, group: int | None = None) -> None:
         """A completed transfer: the link estimate learns from it, and an auto all-reduce ceiling follows."""
         self.link.observe(nbytes, seconds)
         rule = self.options.link
         if rule is not None and rule.allreduce and group is not None and self.link.measured:
-            self.deadlines.set_allreduce_ceiling(allreduce_deadline(rule.size, group, self.link.rate))
+            self._set_allreduce_ceiling(rule, group)
+
+    def _set_allreduce_ceiling(self, rule: LinkRule, group: int) -> None:
+        """The auto all-reduce ceiling for a group of `group` members, of which at most `max_reducers`
+        trainers reduce (the run's auxiliary reducers are left out: fewer reducers, each busier)."""
+        ceiling = allreduce_deadline(rule.size, group, self.link.rate, self.options.max_reducers)
+        self.deadlines.set_allreduce_ceiling(ceiling)
 
     def state_timeout(self, configured: float) -> float:
         """One state download's deadline: `configured`, or with auto the rule at the measured rate."""

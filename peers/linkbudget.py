@@ -68,15 +68,23 @@ class Deadlines:
     round_max: float
 
 
-def allreduce_bytes(delta_bytes: float, group: int) -> float:
-    """Bytes one member of a butterfly all-reduce of `group` members sends (and as many it receives)."""
+def allreduce_bytes(delta_bytes: float, group: int, reducers: int | None = None) -> float:
+    """Bytes the busiest member of a butterfly all-reduce of `group` members sends (and as many it receives),
+    when `reducers` of them (None: all) each reduce an equal share of the parts: a reducer sends the rest of
+    its own Δ, (1 − 1/R)·|Δ|, and the results of its share to the n − 1 others, (n − 1)/R·|Δ|. With every
+    member reducing that is 2(n − 1)/n·|Δ|; a group of every live trainer with at most `group_size` of them
+    reducing loads each reducer with about n/R times more (counted as 2(n − 1)/n, the deadline fell short
+    of a 320-member round in the scale simulation, bench/netsim)."""
     n = max(2, group)
-    return 2.0 * (n - 1) / n * delta_bytes
+    r = n if reducers is None else min(n, max(1, reducers))
+    return (r + n - 2) / r * delta_bytes
 
 
-def allreduce_deadline(size: ModelSize, group: int, rate: float) -> float:
-    transfer = allreduce_bytes(size.delta_bytes, group) / rate
-    compute = size.elements * CPU_SECONDS_PER_ELEMENT
+def allreduce_deadline(size: ModelSize, group: int, rate: float, reducers: int | None = None) -> float:
+    transfer = allreduce_bytes(size.delta_bytes, group, reducers) / rate
+    # a capped reducer also decodes, screens and reduces n/R times the elements of an all-reducing member
+    load = allreduce_bytes(1.0, group, reducers) / allreduce_bytes(1.0, group)
+    compute = size.elements * CPU_SECONDS_PER_ELEMENT * load
     return max(MIN_ALLREDUCE, SLACK * (transfer + compute))
 
 

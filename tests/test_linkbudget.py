@@ -17,6 +17,7 @@ from peers.linkbudget import (
     LinkRule,
     ModelSize,
     allreduce_bytes,
+    allreduce_deadline,
     deadlines,
     prior_rate,
 )
@@ -53,6 +54,23 @@ def test_a_butterfly_member_moves_twice_its_share_of_the_others_parts() -> None:
     assert allreduce_bytes(100.0, 2) == 100.0  # half out, half of the average back... each way
     assert allreduce_bytes(100.0, 4) == 150.0
     assert allreduce_bytes(100.0, 1) == 100.0  # never fewer than two members
+
+
+@pytest.mark.parametrize(
+    ("group", "reducers", "expected"),
+    [
+        (4, None, 150.0),  # everyone reduces: 2(n − 1)/n
+        (4, 4, 150.0),
+        (4, 8, 150.0),  # never more reducers than members
+        (100, 8, 1325.0),  # (R + n − 2)/R: each of 8 reducers carries 99/8 of a Δ's results
+        (100, 100, 198.0),
+        (10, 1, 900.0),  # one reducer: n − 1 results out, and nothing of its own Δ to send
+    ],
+)
+def test_capped_reducers_each_carry_more_of_the_group(
+    group: int, reducers: int | None, expected: float
+) -> None:
+    assert allreduce_bytes(100.0, group, reducers) == pytest.approx(expected)
 
 
 def test_round_max_is_the_same_on_every_link() -> None:
@@ -155,3 +173,13 @@ def test_the_averager_learns_its_link_from_rounds() -> None:
     fixed = _group(None)  # explicit deadlines: the averager keeps them
     fixed._learn(_round(True))
     assert fixed.deadlines.bounds.allreduce_ceiling == 60.0 and fixed.state_timeout(20.0) == 20.0
+
+
+def test_the_capped_reducers_deadline_grows_with_the_group_the_plain_one_does_not() -> None:
+    size = ModelSize(124_000_000, 0.53, 2)
+    rate = 100e6 / 8
+    plain = [allreduce_deadline(size, n, rate) for n in (10, 100, 320)]
+    capped = [allreduce_deadline(size, n, rate, reducers=8) for n in (10, 100, 320)]
+    assert plain[2] < 1.01 * plain[1]  # 2(n − 1)/n: flat in n
+    assert capped[0] < capped[1] < capped[2] and capped[2] > 30 * plain[2] / 2  # ~n/8 times the work
+    assert allreduce_deadline(size, 8, rate, reducers=8) == allreduce_deadline(size, 8, rate)
