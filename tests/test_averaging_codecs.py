@@ -42,7 +42,7 @@ def ticket(step: int) -> bytes:
 class Saboteur:
     """int8 on the wire, except that a part whose first value is MAGIC goes out with a NaN scale."""
 
-    name = "int8"
+    name = wire_name = "int8"  # meets honest int8 members
 
     def __init__(self) -> None:
         self.inner = make_codec("int8")
