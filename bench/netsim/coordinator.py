@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dilocod.data.schedule import MAX_LEASES, ChunkBook, Grant
-
 from bench.netsim import costs
+from dilocod.data.schedule import MAX_LEASES, ChunkBook, Grant
 
 
 @dataclass
@@ -29,11 +28,14 @@ class Coordinator:
     load: Load = field(default_factory=Load)
     returned: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, epoch, chunk) expired
 
+    def expire(self, now: float) -> None:
+        """`ChunkService.keep_saved`: dead leases go back to the run every SAVE_SECONDS."""
+        self.returned += self.book.expire(now)
+
     def sync(self, peer: str, held: list[tuple[int, int, int]], want: int, now: float) -> list[Grant]:
         """One trainer's report and request, as `ChunkService.sync` answers it."""
-        self.returned += self.book.expire(now)
         grants = self.book.sync(peer, held, min(want, MAX_LEASES), now)
-        request, reply = costs.chunk_message_bytes(held, len(grants))
+        request, reply = costs.chunk_message_bytes(len(held), len(grants))
         self.load.add(1, request + reply)
         return grants
 

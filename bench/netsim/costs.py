@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,9 +141,10 @@ def status_record_bytes() -> int:
     return len(encode_status(record)) + ENVELOPE_BYTES
 
 
-def chunk_message_bytes(held: list[tuple[int, int, int]], granted: int) -> tuple[int, int]:
-    """(request, reply) bytes of one chunk sync, through the project's encoders."""
-    request = encode_chunk_request({"held": [v for lease in held for v in lease], "want": 2})
+@functools.cache
+def chunk_message_bytes(held: int, granted: int) -> tuple[int, int]:
+    """(request, reply) bytes of one chunk sync holding `held` leases, through the project's encoders."""
+    request = encode_chunk_request({"held": [3, 123_456, 2**19] * held, "want": 2})
     lease = [3, 123_456, 123_456 * 2**20, 2**20, 2**19]
     reply = encode_chunk_reply({
         "leases": lease * granted, "lease_seconds": 300.0, "epoch": 3, "epoch_fraction": 0.5,

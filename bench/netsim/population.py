@@ -9,10 +9,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from dilocod.rounds.machine import RoundState
-from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
-from peers.linkbudget import MBIT, LinkEstimate, prior_rate
-
 from bench.netsim.settings import (
     BASE_TOKENS_PER_SECOND,
     CPU_SHARE_IN_MIX,
@@ -20,6 +16,9 @@ from bench.netsim.settings import (
     RunParams,
     Scenario,
 )
+from dilocod.rounds.machine import RoundState
+from peers.deadlines import AdaptiveDeadlines, DeadlineBounds
+from peers.linkbudget import MBIT, LinkEstimate, prior_rate
 
 
 @dataclass(frozen=True)

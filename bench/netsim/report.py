@@ -137,7 +137,9 @@ class Tally:
         peers = list(sim.peers.values())
         alive = sum(p.alive_seconds for p in peers)
         peer_rounds = max(1, sum(self.outcomes.values()))
-        joiners = [p.first_ok - p.started for p in peers if p.peer_id in self.joiners and p.first_ok is not None]
+        joiners = [
+            p.first_ok - p.started for p in peers if p.peer_id in self.joiners and p.first_ok is not None
+        ]
         duration = max(sim.queue.now, 1e-9)
         load = sim.coordinator.load
         return {
@@ -155,8 +157,12 @@ class Tally:
             "bootstrap_bytes_per_second": _r(load.bytes / duration),
             # the parts behind them
             "scenario": {
-                "nat": sim.scenario.nat, "churn": sim.scenario.churn, "speeds": sim.scenario.speeds,
-                "link_mbit": sim.scenario.link_mbit, "preset": sim.scenario.preset, "seed": sim.scenario.seed,
+                "nat": sim.scenario.nat,
+                "churn": sim.scenario.churn,
+                "speeds": sim.scenario.speeds,
+                "link_mbit": sim.scenario.link_mbit,
+                "preset": sim.scenario.preset,
+                "seed": sim.scenario.seed,
             },  # fmt: skip
             "round_parts": {
                 "matchmaking_seconds": _mean(x for r in rounds for x in r.matchmaking_seconds),
@@ -166,10 +172,14 @@ class Tally:
             },
             "groups_per_round": _mean(r.groups for r in rounds),
             "largest_group_share": _r(sum(r.largest for r in rounds) / seekers if seekers else 0.0),
-            "bytes_per_peer_round_by_kind": {kind: _r(v / peer_rounds) for kind, v in sorted(self.bytes_by_kind.items())},
+            "bytes_per_peer_round_by_kind": {
+                kind: _r(v / peer_rounds) for kind, v in sorted(self.bytes_by_kind.items())
+            },
             "outcomes": dict(sorted(self.outcomes.items())),
             "status_record_bytes": sim.record_bytes,
-            "status_key_bytes_per_second": _r(self.status_reads * len(sim.records) * sim.record_bytes / duration),
+            "status_key_bytes_per_second": _r(
+                self.status_reads * len(sim.records) * sim.record_bytes / duration
+            ),
             "bootstrap_reduce_bytes_per_second": _r(load.reduce_bytes / duration),
             "chunks_returned": len(sim.coordinator.returned),
             "scoring_max_assignments": max(self.scoring_assignments, default=0),

@@ -16,8 +16,16 @@ from typing import Any
 
 from hivemind.averaging.allreduce import AveragingMode
 
+from bench.netsim import costs
+from bench.netsim.coordinator import Coordinator
+from bench.netsim.matchmaking import Group, Rules, Seeker, form_groups
+from bench.netsim.population import Peer, draw_traits, new_peer
+from bench.netsim.queue import EventQueue
+from bench.netsim.report import Tally
+from bench.netsim.settings import RunParams, Scenario, run_params
+from bench.netsim.statefetch import download_seconds
 from dilocod.data.schedule import ChunkBook
-from dilocod.node.chunks import SYNC_SECONDS
+from dilocod.node.chunks import SAVE_SECONDS, SYNC_SECONDS
 from dilocod.rounds import clock, facts, machine
 from dilocod.rounds.events import (
     Action,
@@ -35,15 +43,6 @@ from dilocod.rounds.events import (
 from dilocod.trust.scoring import assign_scorers
 from peers.grouping import matchmaking_window, round_group_bits
 from peers.linkbudget import MBIT, PREPARE_SECONDS_PER_ELEMENT, allreduce_deadline
-
-from bench.netsim import costs
-from bench.netsim.coordinator import Coordinator
-from bench.netsim.matchmaking import Group, Rules, Seeker, form_groups
-from bench.netsim.population import Peer, draw_traits, new_peer
-from bench.netsim.queue import EventQueue
-from bench.netsim.report import Tally
-from bench.netsim.settings import RunParams, Scenario, run_params
-from bench.netsim.statefetch import download_seconds
 
 BOOTSTRAP = "bootstrap"
 START_JITTER = 2.0  # peers of a cold start come up within this many seconds
@@ -75,14 +74,18 @@ class Simulation:
         self.tally = Tally(scenario.rounds, bytes_per_token=costs.bytes_per_token(self.params.vocab_size))
         self.record_bytes = costs.status_record_bytes()
         self.joined = 0
+        self.live = 0  # peers alive
         self.group_key = round_group_bits(0, cfg.averaging.compression, None, "netsim")
 
     # ---- the run ---------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         for i in range(self.scenario.peers):
-            self._start(draw_traits(self.rng, self.scenario, i), self.rng.uniform(0, START_JITTER), joiner=False)
+            self._start(
+                draw_traits(self.rng, self.scenario, i), self.rng.uniform(0, START_JITTER), joiner=False
+            )
         self.joined = self.scenario.peers
         self.queue.at(0.0, self._tick)
+        self.queue.at(0.0, self._expire)
         if self.scenario.churn > 0:
             self.queue.at(self._next_churn(), self._churn)
         horizon = self.scenario.rounds * 20 * self.params.cfg.round.max_seconds
@@ -94,6 +97,7 @@ class Simulation:
     def _start(self, traits: Any, at: float, joiner: bool) -> None:
         peer = new_peer(traits, self.params, at)
         self.peers[peer.peer_id] = peer
+        self.live += 1
         if joiner:
             peer.machine = machine.RoundState(step=-1)
             self.queue.at(at, lambda: self._join(peer))
@@ -106,7 +110,9 @@ class Simulation:
     def _tokens_now(self, peer: Peer, now: float) -> int:
         if peer.training_since is None:
             return peer.round_tokens
-        steps = math.floor((now - peer.training_since) * peer.traits.tokens_per_second / self.params.step_tokens)
+        steps = math.floor(
+            (now - peer.training_since) * peer.traits.tokens_per_second / self.params.step_tokens
+        )
         return peer.round_tokens + steps * self.params.step_tokens
 
     def _publish(self, peer: Peer) -> None:
@@ -120,11 +126,15 @@ class Simulation:
             "training": peer.training_since is not None, "global_sha256": peer.sha, "joining": peer.joining,
             "joining_since": peer.joining_since, "reachability": "private" if peer.traits.private else "public",
         }  # fmt: skip
-        self.tally.dht(peer.peer_id, costs.store_messages(self._size()), costs.store_bytes(self._size(), self.record_bytes))
+        self.tally.dht(
+            peer.peer_id,
+            costs.store_messages(self._size()),
+            costs.store_bytes(self._size(), self.record_bytes),
+        )
         self.queue.after(self.params.cfg.net.status_interval, lambda: self._publish(peer))
 
     def _size(self) -> int:
-        return sum(p.alive for p in self.peers.values())
+        return self.live
 
     def _fresh(self) -> list[dict[str, Any]]:
         now, stale = self.queue.now, self.params.clock.stale_after
@@ -145,7 +155,9 @@ class Simulation:
         joiners = [j for r in records if (j := clock.joiner_from_record(r)) is not None]
         soonest = math.inf
         size = self._size()
-        for index in sorted({p.machine.round for p in self.peers.values() if p.alive and p.training_since is not None}):
+        for index in sorted(
+            {p.machine.round for p in self.peers.values() if p.alive and p.training_since is not None}
+        ):
             trainers = clock.in_round(progress, index, now, settings.stale_after)
             opened = clock.round_opened(trainers, fallback=now)
             waiting = clock.joining(joiners, index, now, settings.stale_after)
@@ -232,13 +244,24 @@ class Simulation:
     def _seek(self, peer: Peer) -> None:
         index = peer.machine.round
         book = self.rounds.setdefault(index, RoundBook(index))
+        if book.settled:  # its round's groups formed already: nobody is left to meet it
+            attempt = Attempt(found_group=False, seconds=self.params.cfg.averaging.matchmaking_timeout)
+            self.queue.after(attempt.seconds, lambda: self._averaged(peer.peer_id, attempt, None))
+            return
+        if not book.seekers:  # hivemind's matchmaking gives up after its timeout: the group forms by then
+            self.queue.after(
+                self.params.cfg.averaging.matchmaking_timeout, lambda: self._maybe_match(book, force=True)
+            )
         prepare = self.params.size.elements * PREPARE_SECONDS_PER_ELEMENT
         t = peer.traits
-        book.seekers[peer.peer_id] = Seeker(peer.peer_id, self.queue.now + prepare, not t.private, True, t.rtt, t.up)
+        book.seekers[peer.peer_id] = Seeker(
+            peer.peer_id, self.queue.now + prepare, not t.private, True, t.rtt, t.up
+        )
         self._maybe_match(book)
 
-    def _maybe_match(self, book: RoundBook) -> None:
-        """Once every live peer of the round is in matchmaking (or gone), the groups form."""
+    def _maybe_match(self, book: RoundBook, force: bool = False) -> None:
+        """Once every live peer of the round is in matchmaking (or gone), the groups form; at the latest when
+        the first one's matchmaking timeout ends (`force`)."""
         if book.settled:
             return
         waiting = [
@@ -246,7 +269,7 @@ class Simulation:
             if p.alive and p.machine.round == book.index and p.peer_id not in book.seekers
             and (p.training_since is not None or p.joining is not None)
         ]  # fmt: skip
-        if waiting:
+        if waiting and not force:
             return
         book.settled = True
         live = [s for s in book.seekers.values() if self.peers[s.peer_id].alive]
@@ -257,8 +280,12 @@ class Simulation:
         aux = Seeker(BOOTSTRAP, arrival, True, False, 0.02, self.scenario.bootstrap_mbit * MBIT)
         avg = self.params.cfg.averaging
         target = clock.group_target(len(live), 1, max(self.peers[s.peer_id].last_group for s in live))
-        window = matchmaking_window(avg.min_matchmaking_time, target, avg.matchmaking_timeout, avg.request_timeout)
-        rules = Rules(target, window, avg.matchmaking_timeout, avg.min_group_size, self._size() + 1, TICKET_BYTES)
+        window = matchmaking_window(
+            avg.min_matchmaking_time, target, avg.matchmaking_timeout, avg.request_timeout
+        )
+        rules = Rules(
+            target, window, avg.matchmaking_timeout, avg.min_group_size, self._size() + 1, TICKET_BYTES
+        )
         groups, alone = form_groups([*live, aux], rules)
         self.tally.round_groups(book.index, groups, len(live))
         for number, group in enumerate(groups):
@@ -266,7 +293,10 @@ class Simulation:
         for seeker in alone:
             if seeker.peer_id != BOOTSTRAP:
                 attempt = Attempt(found_group=False, seconds=avg.matchmaking_timeout)
-                self.queue.at(seeker.at + avg.matchmaking_timeout, lambda s=seeker, a=attempt: self._averaged(s.peer_id, a, None))
+                self.queue.at(
+                    seeker.at + avg.matchmaking_timeout,
+                    lambda s=seeker, a=attempt: self._averaged(s.peer_id, a, None),
+                )
 
     def _exchange(self, index: int, number: int, group: Group) -> None:
         members = [
@@ -274,7 +304,9 @@ class Simulation:
             for s in group.members
         ]  # fmt: skip
         avg = self.params.cfg.averaging
-        exchange = costs.all_reduce(members, self.params.delta_bytes, self.params.size.elements, avg.group_size, self.params.topk)
+        exchange = costs.all_reduce(
+            members, self.params.delta_bytes, self.params.size.elements, avg.group_size, self.params.topk
+        )
         trainers = [s for s in group.members if s.trainer]
         deadline = min(self.peers[s.peer_id].deadlines.allreduce for s in trainers)
         ok = exchange.seconds <= deadline
@@ -293,7 +325,9 @@ class Simulation:
                 self.tally.allreduce_bytes(s.peer_id, sent + received)
                 peer = self.peers[s.peer_id]
                 matchmaking = group.begins - s.at
-                self._learn(peer, complete, matchmaking, exchange.seconds, max(sent, received), len(group.members))
+                self._learn(
+                    peer, complete, matchmaking, exchange.seconds, max(sent, received), len(group.members)
+                )
                 attempt = Attempt(
                     found_group=True, complete=complete, in_majority=True, has_average=complete,
                     majority_size=len(trainers), contributors=len(trainers), group_size=len(trainers),
@@ -313,7 +347,9 @@ class Simulation:
             return AveragingMode.AUX
         return AveragingMode.CLIENT if self.peers[seeker.peer_id].traits.private else AveragingMode.NODE
 
-    def _learn(self, peer: Peer, complete: bool, matchmaking: float, seconds: float, nbytes: float, group: int) -> None:
+    def _learn(
+        self, peer: Peer, complete: bool, matchmaking: float, seconds: float, nbytes: float, group: int
+    ) -> None:
         """What peers/group.py's `_learn` / `_measured` tell the deadlines after a round (its rule, here)."""
         rule_size = self.params.size
         if complete:
@@ -357,13 +393,21 @@ class Simulation:
         run_step = facts.run_step(records)
         peer.joining, peer.joining_since, peer.training_since = max(run_step, min_step), now, None
         self._publish_now(peer)
-        uplinks = {p.peer_id: p.traits.up for p in self.peers.values() if p.alive and not p.traits.private and p is not peer}
+        uplinks = {
+            p.peer_id: p.traits.up
+            for p in self.peers.values()
+            if p.alive and not p.traits.private and p is not peer
+        }
         state_bytes = int(self.params.size.state_bytes)
         found = download_seconds(records, min_step, state_bytes, peer.traits.down, uplinks, self.rng)
         lookup = costs.lookup_seconds(self._size(), peer.traits.rtt)
-        self.tally.dht(peer.peer_id, costs.read_messages(self._size()), costs.read_bytes(self._size(), len(records), 300))
+        self.tally.dht(
+            peer.peer_id, costs.read_messages(self._size()), costs.read_bytes(self._size(), len(records), 300)
+        )
         if found is None:
-            self.queue.after(self.params.cfg.averaging.state_timeout, lambda: self._synced(peer, False, peer.machine.step))
+            self.queue.after(
+                self.params.cfg.averaging.state_timeout, lambda: self._synced(peer, False, peer.machine.step)
+            )
             return
         seconds, donors = found
         self.tally.state_download(state_bytes, seconds)
@@ -389,7 +433,9 @@ class Simulation:
         """A new peer: dial-back and manifest from the bootstrap, its DHT's first lookups, then the state."""
         self.coordinator.joined()
         setup = 2 * costs.lookup_seconds(self._size(), peer.traits.rtt) + 2 * peer.traits.rtt
-        self.tally.dht(peer.peer_id, 2 * costs.read_messages(self._size()), 2 * costs.read_bytes(self._size(), 0, 0))
+        self.tally.dht(
+            peer.peer_id, 2 * costs.read_messages(self._size()), 2 * costs.read_bytes(self._size(), 0, 0)
+        )
         self.queue.after(setup, lambda: self._resync(peer, 0))
 
     # ---- churn -----------------------------------------------------------------------------------------
@@ -405,6 +451,7 @@ class Simulation:
         lost = self._tokens_now(gone, self.queue.now) if gone.training_since is not None else 0
         self._account_alive(gone)
         gone.alive = False
+        self.live -= 1
         self.tally.left(gone.peer_id, crashed=self.rng.random() < 0.5, lost=lost)
         traits = draw_traits(self.rng, self.scenario, self.joined)
         self.joined += 1
@@ -422,6 +469,10 @@ class Simulation:
                 peer.training_since = None
 
     # ---- data ------------------------------------------------------------------------------------------
+    def _expire(self) -> None:
+        self.coordinator.expire(self.queue.now)
+        self.queue.after(SAVE_SECONDS, self._expire)
+
     def _chunk_sync(self, peer: Peer) -> None:
         """`ChunkSync`: report how far into each lease we trained, renew, ask for two."""
         if not peer.alive:
@@ -437,7 +488,9 @@ class Simulation:
         grants = self.coordinator.sync(peer.peer_id, held, 2, self.queue.now)
         peer.leases = [(g.epoch, g.chunk, g.offset) for g in grants]
         peer.chunk_sizes = {(g.epoch, g.chunk): g.size for g in grants}
-        self.tally.data_bytes(peer.peer_id, sum(g.size for g in grants if (g.epoch, g.chunk) not in peer.seen_chunks))
+        self.tally.data_bytes(
+            peer.peer_id, sum(g.size for g in grants if (g.epoch, g.chunk) not in peer.seen_chunks)
+        )
         peer.seen_chunks.update((g.epoch, g.chunk) for g in grants)
         self.queue.after(SYNC_SECONDS, lambda: self._chunk_sync(peer))
 

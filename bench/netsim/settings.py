@@ -53,7 +53,9 @@ class Scenario:
         if not self.link_mbit > 0:
             raise ValueError(f"--link-mbit must be > 0, got {self.link_mbit}")
         if self.preset not in BASE_TOKENS_PER_SECOND:
-            raise ValueError(f"--preset must be one of {', '.join(BASE_TOKENS_PER_SECOND)}, got {self.preset!r}")
+            raise ValueError(
+                f"--preset must be one of {', '.join(BASE_TOKENS_PER_SECOND)}, got {self.preset!r}"
+            )
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
 
