@@ -29,7 +29,8 @@ class RoundFigures:
     cpu_seconds: list[float] = field(default_factory=list)
     matchmaking_seconds: list[float] = field(default_factory=list)
     largest: int = 0
-    settled: bool = False
+    tries: int = 0  # matchmakings at this index (more than one: its groups failed and it was tried again)
+    settled: bool = False  # a group's average at this index was applied and no group is still exchanging
 
 
 @dataclass
@@ -72,16 +73,19 @@ class Tally:
         self.outcomes[outcome.value] += 1
 
     def round_groups(self, index: int, groups: list[Group], live: int) -> None:
+        """One matchmaking of a round (a round whose groups all failed is tried again: its tries add up)."""
         figures = self.per_round[index]
-        figures.groups, figures.seekers, figures.pending = len(groups), live, len(groups)
-        figures.largest = max((sum(s.trainer for s in g.members) for g in groups), default=0)
+        figures.tries += 1
+        figures.groups += len(groups)
+        figures.seekers += live
+        figures.pending += len(groups)
+        figures.largest = max(figures.largest, *(sum(s.trainer for s in g.members) for g in groups), 0)
         for group in groups:
             trainers = [s for s in group.members if s.trainer]
             if len(trainers) >= live:
                 figures.in_full_group += len(trainers)
             arrived = statistics.median(s.at for s in trainers)
             figures.matchmaking_seconds.append(group.begins - arrived)
-        figures.settled = not groups
 
     def exchange(self, exchange: Exchange, group: Group, ok: bool) -> None:
         pass
@@ -93,7 +97,7 @@ class Tally:
         figures.allreduce_seconds.append(exchange.seconds)
         figures.transfer_seconds.append(exchange.transfer_seconds)
         figures.cpu_seconds.append(exchange.cpu_seconds)
-        figures.settled = figures.pending == 0
+        figures.settled = figures.pending == 0 and figures.completed > 0
 
     def applied(self, peer: Peer, label: str | None, tokens: int, step: int, now: float) -> None:
         key = label or "alone"
@@ -131,6 +135,7 @@ class Tally:
         trained = sum(self.trained_tokens[i] for i in range(k)) + self.lost_tokens
         in_global = sum(self.applied_tokens[i][m] for i in range(k) if (m := self.majority(i)) is not None)
         rounds = [self.per_round[i] for i in range(k) if i in self.per_round]
+        closed = sum(r.settled for r in rounds)
         seekers = sum(r.seekers for r in rounds)
         ends = [self.applied_at[(i, m)] for i in range(k) if (m := self.majority(i)) is not None]
         spans = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
@@ -144,7 +149,8 @@ class Tally:
         load = sim.coordinator.load
         return {
             "peers": sim.scenario.peers,
-            "rounds": len(rounds),
+            "rounds": closed,
+            "stalled": sim.stalled,  # fewer than the asked rounds closed: the run stopped making progress
             "tokens_in_global_share": _r(in_global / trained if trained else 0.0),
             "full_group_share": _r(sum(r.in_full_group for r in rounds) / seekers if seekers else 0.0),
             "one_global_share": _r(sum(r.completed == 1 for r in rounds) / k),
@@ -171,6 +177,7 @@ class Tally:
                 "allreduce_cpu_seconds": _mean(x for r in rounds for x in r.cpu_seconds),
             },
             "groups_per_round": _mean(r.groups for r in rounds),
+            "tries_per_round": _mean(r.tries for r in rounds),
             "largest_group_share": _r(sum(r.largest for r in rounds) / seekers if seekers else 0.0),
             "bytes_per_peer_round_by_kind": {
                 kind: _r(v / peer_rounds) for kind, v in sorted(self.bytes_by_kind.items())

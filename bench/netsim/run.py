@@ -46,6 +46,7 @@ from peers.linkbudget import MBIT, PREPARE_SECONDS_PER_ELEMENT, allreduce_deadli
 
 BOOTSTRAP = "bootstrap"
 START_JITTER = 2.0  # peers of a cold start come up within this many seconds
+STALL_ROUNDS = 5  # a run that closes no round in this many `round.max_seconds` has stalled: it stops there
 TICKET_BYTES = 400  # a round ticket with its chunks and the envelope (proto/records.py ROUND_TICKET ≤ 2048)
 
 
@@ -54,9 +55,16 @@ class RoundBook:
     """What the simulation knows about one round index while it is open."""
 
     index: int
+    attempt: int = 0  # a round whose groups all failed is tried again at the same index: a new book
     seekers: dict[str, Seeker] = field(default_factory=dict)
     live_at_close: int = 0
-    settled: bool = False
+    settled: bool = False  # its groups formed: a later seeker finds nobody to meet
+    open_groups: int = 0  # groups still exchanging
+
+    @property
+    def over(self) -> bool:
+        """Every group it formed is done: whoever trains this index again meets in a new matchmaking."""
+        return self.settled and self.open_groups == 0
 
 
 class Simulation:
@@ -75,6 +83,9 @@ class Simulation:
         self.record_bytes = costs.status_record_bytes()
         self.joined = 0
         self.live = 0  # peers alive
+        self.finished = 0  # rounds closed so far …
+        self.progress_at = 0.0  # … and when the last one closed
+        self.stalled = False
         self.group_key = round_group_bits(0, cfg.averaging.compression, None, "netsim")
 
     # ---- the run ---------------------------------------------------------------------------------------
@@ -89,10 +100,20 @@ class Simulation:
         if self.scenario.churn > 0:
             self.queue.at(self._next_churn(), self._churn)
         horizon = self.scenario.rounds * 20 * self.params.cfg.round.max_seconds
-        self.queue.run_until(lambda: self.tally.finished_rounds >= self.scenario.rounds, horizon)
+        self.queue.run_until(self._done, horizon)
+        self.stalled = self.tally.finished_rounds < self.scenario.rounds
         for peer in self.peers.values():
             self._account_alive(peer)
         return self.tally.report(self)
+
+    def _done(self) -> bool:
+        """All rounds closed, or none for STALL_ROUNDS × `round.max_seconds` (the run stalled: said so in the
+        result, never a hang)."""
+        finished = self.tally.finished_rounds
+        if finished > self.finished:
+            self.finished, self.progress_at = finished, self.queue.now
+        stall = STALL_ROUNDS * self.params.cfg.round.max_seconds
+        return finished >= self.scenario.rounds or self.queue.now - self.progress_at > stall
 
     def _start(self, traits: Any, at: float, joiner: bool) -> None:
         peer = new_peer(traits, self.params, at)
@@ -243,7 +264,9 @@ class Simulation:
     # ---- matchmaking and the all-reduce ----------------------------------------------------------------
     def _seek(self, peer: Peer) -> None:
         index = peer.machine.round
-        book = self.rounds.setdefault(index, RoundBook(index))
+        book = self.rounds.get(index)
+        if book is None or book.over:  # the first try of this round, or a retry after its groups failed
+            book = self.rounds[index] = RoundBook(index, attempt=0 if book is None else book.attempt + 1)
         if book.settled:  # its round's groups formed already: nobody is left to meet it
             attempt = Attempt(found_group=False, seconds=self.params.cfg.averaging.matchmaking_timeout)
             self.queue.after(attempt.seconds, lambda: self._averaged(peer.peer_id, attempt, None))
@@ -288,8 +311,9 @@ class Simulation:
         )
         groups, alone = form_groups([*live, aux], rules)
         self.tally.round_groups(book.index, groups, len(live))
+        book.open_groups = len(groups)
         for number, group in enumerate(groups):
-            self._exchange(book.index, number, group)
+            self._exchange(book, number, group)
         for seeker in alone:
             if seeker.peer_id != BOOTSTRAP:
                 attempt = Attempt(found_group=False, seconds=avg.matchmaking_timeout)
@@ -298,7 +322,8 @@ class Simulation:
                     lambda s=seeker, a=attempt: self._averaged(s.peer_id, a, None),
                 )
 
-    def _exchange(self, index: int, number: int, group: Group) -> None:
+    def _exchange(self, book: RoundBook, number: int, group: Group) -> None:
+        index = book.index
         members = [
             costs.Member(s.peer_id, self._mode(s), s.up, s.up if s.peer_id == BOOTSTRAP else self.peers[s.peer_id].traits.down, s.rtt)
             for s in group.members
@@ -311,7 +336,7 @@ class Simulation:
         deadline = min(self.peers[s.peer_id].deadlines.allreduce for s in trainers)
         ok = exchange.seconds <= deadline
         ends = group.begins + (exchange.seconds if ok else deadline)
-        label = f"r{index}g{number}"
+        label = f"r{index}a{book.attempt}g{number}"
         self.tally.exchange(exchange, group, ok)
 
         def done() -> None:
@@ -334,6 +359,7 @@ class Simulation:
                     seconds=ends - s.at, error=None if complete else "all-reduce timed out",
                 )  # fmt: skip
                 self._averaged(s.peer_id, attempt, label if complete else None)
+            book.open_groups -= 1
             self.tally.group_done(index, exchange, complete)
             if complete:
                 scorers = [s.peer_id for s in trainers if not self.peers[s.peer_id].traits.private]
