@@ -5,7 +5,8 @@
 
   --peers N         peers at the start (churn keeps the number: every leave brings a joiner)
   --nat SHARE       share of peers behind NAT (private: they reduce nothing), 0 ≤ SHARE < 1 (default 0)
-  --churn PER_HOUR  leaves per peer per hour, half crashes, half clean exits (default 0)
+  --churn PER_HOUR  % of the peers that leave per hour (5: 5 %/hour, the issue's goal), half crashes, half
+                    clean exits, each replaced by a joiner (default 0)
   --speeds          equal; spread (1 … 1/10 of the base); mixed (2/3 GPUs, 1/3 CPUs at 1/20) (default equal)
   --link-mbit R     every peer's upload and download, Mbit/s (default 100)
   --preset P        the model and its config: configs/P.toml (default tiny)

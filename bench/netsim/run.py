@@ -447,6 +447,8 @@ class Simulation:
             holder = next((r for r in self._fresh() if r["outer_step"] == step), None)
             peer.sha = holder["global_sha256"] if holder else peer.sha
         peer.joining = peer.joining_since = None
+        if adopted:  # the driver's `_reopen`: it joins the run's round under way, opened when the run says
+            peer.round_opened, peer.opened_round = self._run_opened(peer, step), step
         event = Synced(adopted, step, self._facts(peer, self._fresh()))
         settings = self.params.private_machine if peer.traits.private else self.params.public_machine
         peer.machine, actions = machine.transition(peer.machine, event, settings)
@@ -454,6 +456,17 @@ class Simulation:
         self._perform(peer, actions)
         for book in list(self.rounds.values()):
             self._maybe_match(book)
+
+    def _run_opened(self, peer: Peer, index: int) -> float:
+        """`RoundTimer.run_opened`: when the run opened `index`, as the other trainers in it say (now if
+        none says). A joiner that published its own arrival instead would pull the round's median opening
+        later with every join, and under churn the run's `max_seconds` would never come."""
+        now, records = self.queue.now, self._fresh()
+        progress = [
+            p for r in records if r["peer_id"] != peer.peer_id and (p := clock.progress_from_record(r)) is not None
+        ]  # fmt: skip
+        live = clock.in_round(progress, index, now, self.params.clock.stale_after)
+        return clock.round_opened(live, fallback=now) if live else now
 
     def _join(self, peer: Peer) -> None:
         """A new peer: dial-back and manifest from the bootstrap, its DHT's first lookups, then the state."""
@@ -466,7 +479,7 @@ class Simulation:
 
     # ---- churn -----------------------------------------------------------------------------------------
     def _next_churn(self) -> float:
-        rate = self.scenario.churn / 3600.0 * max(1, self._size())
+        rate = self.scenario.churn / 100.0 / 3600.0 * max(1, self._size())
         return self.queue.now + self.rng.expovariate(rate)
 
     def _churn(self) -> None:

@@ -31,7 +31,7 @@ class Scenario:
 
     peers: int = 10
     nat: float = 0.0  # share of peers behind NAT (private: client mode, reduce nothing)
-    churn: float = 0.0  # leaves per peer per hour (half crashes, half clean exits), matched by as many joins
+    churn: float = 0.0  # % of the peers that leave per hour (half crash, half exit cleanly), each replaced by a joiner
     speeds: str = "equal"
     link_mbit: float = 100.0  # every peer's upload and download
     preset: str = "tiny"
@@ -47,7 +47,7 @@ class Scenario:
         if not 0.0 <= self.nat < 1.0:
             raise ValueError(f"--nat must be a share in [0, 1), got {self.nat}")
         if self.churn < 0:
-            raise ValueError(f"--churn must be >= 0 leaves per peer per hour, got {self.churn}")
+            raise ValueError(f"--churn must be >= 0 (% of the peers leaving per hour), got {self.churn}")
         if self.speeds not in SPEEDS:
             raise ValueError(f"--speeds must be one of {', '.join(SPEEDS)}, got {self.speeds!r}")
         if not self.link_mbit > 0:
