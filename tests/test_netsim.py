@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import random
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from bench.netsim.coordinator import IndexedBook
 from bench.netsim.run import Simulation, simulate
 from bench.netsim.settings import Scenario, run_params
+from dilocod.data.schedule import ChunkBook
 from dilocod.rounds import clock, machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +138,23 @@ def test_a_bad_flag_gets_one_line(args: list[str], says: str, capsys: pytest.Cap
         _command().main(args)
     assert done.value.code == 2
     assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_indexed_chunk_book_answers_as_the_daemons_book() -> None:
+    """bench/netsim's faster book: the same grants and expiries as `ChunkBook` for the same calls."""
+    rng = random.Random(7)
+    books = [cls(5_000, 100, "netsim", 30.0) for cls in (ChunkBook, IndexedBook)]
+    held: dict[str, list[tuple[int, int, int]]] = {}
+    now = 0.0
+    for _ in range(3_000):
+        now += rng.expovariate(1.0)
+        peer = f"p{rng.randrange(12)}"
+        if rng.random() < 0.1:
+            answers = [book.expire(now) for book in books]
+        else:
+            report = [(e, c, o + rng.randrange(60)) for e, c, o in held.get(peer, []) if rng.random() < 0.9]
+            want = rng.randrange(3)
+            answers = [book.sync(peer, report, want, now) for book in books]
+            held[peer] = [(g.epoch, g.chunk, g.offset) for g in answers[0]]
+        assert answers[0] == answers[1]
+    assert books[0].to_json() == books[1].to_json()

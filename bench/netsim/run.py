@@ -17,14 +17,13 @@ from typing import Any
 from hivemind.averaging.allreduce import AveragingMode
 
 from bench.netsim import costs
-from bench.netsim.coordinator import Coordinator
+from bench.netsim.coordinator import Coordinator, IndexedBook
 from bench.netsim.matchmaking import Group, Rules, Seeker, form_groups
 from bench.netsim.population import Peer, draw_traits, new_peer
 from bench.netsim.queue import EventQueue
 from bench.netsim.report import Tally
 from bench.netsim.settings import RunParams, Scenario, run_params
 from bench.netsim.statefetch import download_seconds
-from dilocod.data.schedule import ChunkBook
 from dilocod.node.chunks import SAVE_SECONDS, SYNC_SECONDS
 from dilocod.rounds import clock, facts, machine
 from dilocod.rounds.events import (
@@ -74,7 +73,7 @@ class Simulation:
         self.rng = random.Random(scenario.seed)
         self.queue = EventQueue()
         cfg = self.params.cfg
-        book = ChunkBook(scenario.train_tokens, cfg.data.chunk_tokens, "netsim", cfg.data.lease_seconds)
+        book = IndexedBook(scenario.train_tokens, cfg.data.chunk_tokens, "netsim", cfg.data.lease_seconds)
         self.coordinator = Coordinator(book)
         self.peers: dict[str, Peer] = {}
         self.records: dict[str, dict[str, Any]] = {}
