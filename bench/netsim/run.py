@@ -77,6 +77,12 @@ class Simulation:
         self.coordinator = Coordinator(book)
         self.peers: dict[str, Peer] = {}
         self.records: dict[str, dict[str, Any]] = {}
+        # Caches, each of a pure function of what it is keyed on (see `_wrote`): the records as the clock
+        # reads them, the fresh records at one moment, and the reducers the facts count.
+        self._parsed: dict[str, tuple[clock.Progress | None, clock.Joiner | None]] = {}
+        self._version = 0  # bumped at every record write
+        self._fresh_at: tuple[float, int, list[dict[str, Any]]] = (-1.0, -1, [])
+        self._reducers_at: tuple[tuple[int, int], int] = ((-1, -1), 0)
         self.rounds: dict[int, RoundBook] = {}
         self.tally = Tally(scenario.rounds, bytes_per_token=costs.bytes_per_token(self.params.vocab_size))
         self.record_bytes = costs.status_record_bytes()
@@ -146,6 +152,7 @@ class Simulation:
             "training": peer.training_since is not None, "global_sha256": peer.sha, "joining": peer.joining,
             "joining_since": peer.joining_since, "reachability": "private" if peer.traits.private else "public",
         }  # fmt: skip
+        self._wrote(peer.peer_id)
         self.tally.dht(
             peer.peer_id,
             costs.store_messages(self._size()),
@@ -158,11 +165,18 @@ class Simulation:
 
     def _fresh(self) -> list[dict[str, Any]]:
         now, stale = self.queue.now, self.params.clock.stale_after
-        return [r for r in self.records.values() if now - r["time"] <= stale]
+        at, version, fresh = self._fresh_at
+        if (at, version) != (now, self._version):
+            fresh = [r for r in self.records.values() if now - r["time"] <= stale]
+            self._fresh_at = (now, self._version, fresh)
+        return fresh
 
     def _facts(self, peer: Peer, records: list[dict[str, Any]]) -> RunFacts:
         us = facts.Us(peer.peer_id, peer.machine.step, peer.sha, previous=peer.previous)
-        reducers = sum(not p.traits.private for p in self.peers.values() if p.alive) + 1  # + the bootstrap
+        key, reducers = self._reducers_at
+        if key != (self.live, self.joined):  # who is alive changed
+            reducers = sum(not p.traits.private for p in self.peers.values() if p.alive) + 1  # + the bootstrap
+            self._reducers_at = ((self.live, self.joined), reducers)
         return facts.run_facts(records, us, now=self.queue.now, seen_recently=True, reducers=reducers)
 
     # ---- the run's clock -------------------------------------------------------------------------------
@@ -171,8 +185,9 @@ class Simulation:
         trainer stops at the first inner step `clock.should_stop` says not to take."""
         now, settings = self.queue.now, self.params.clock
         records = self._fresh()
-        progress = [p for r in records if (p := clock.progress_from_record(r)) is not None]
-        joiners = [j for r in records if (j := clock.joiner_from_record(r)) is not None]
+        parsed = [self._parsed[r["peer_id"]] for r in records]
+        progress = [p for p, _ in parsed if p is not None]
+        joiners = [j for _, j in parsed if j is not None]
         soonest = math.inf
         size = self._size()
         for index in sorted(
@@ -226,6 +241,13 @@ class Simulation:
                           round_tokens=self._tokens_now(peer, self.queue.now), global_sha256=peer.sha,
                           training=peer.training_since is not None, joining=peer.joining,
                           joining_since=peer.joining_since, round_opened=peer.round_opened)  # fmt: skip
+            self._wrote(peer.peer_id)
+
+    def _wrote(self, peer_id: str) -> None:
+        """A record changed: the clock's reading of it is taken once here, not at every peer's read."""
+        record = self.records[peer_id]
+        self._parsed[peer_id] = (clock.progress_from_record(record), clock.joiner_from_record(record))
+        self._version += 1
 
     def _closed(self, peer: Peer, steps: int) -> None:
         if not peer.alive:
@@ -462,7 +484,7 @@ class Simulation:
         later with every join, and under churn the run's `max_seconds` would never come."""
         now, records = self.queue.now, self._fresh()
         progress = [
-            p for r in records if r["peer_id"] != peer.peer_id and (p := clock.progress_from_record(r)) is not None
+            p for r in records if r["peer_id"] != peer.peer_id and (p := self._parsed[r["peer_id"]][0]) is not None
         ]  # fmt: skip
         live = clock.in_round(progress, index, now, self.params.clock.stale_after)
         return clock.round_opened(live, fallback=now) if live else now
