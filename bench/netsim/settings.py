@@ -31,7 +31,7 @@ class Scenario:
 
     peers: int = 10
     nat: float = 0.0  # share of peers behind NAT (private: client mode, reduce nothing)
-    churn: float = 0.0  # % of the peers that leave per hour (half crash, half exit cleanly), each replaced by a joiner
+    churn: float = 0.0  # % of the peers leaving per hour (half crash, half exit), each replaced by a joiner
     speeds: str = "equal"
     link_mbit: float = 100.0  # every peer's upload and download
     preset: str = "tiny"
