@@ -291,15 +291,20 @@ class Simulation(Upkeep):
     ) -> None:
         """What peers/group.py's `_learn` / `_measured` tell the deadlines after a round (its rule, here)."""
         rule_size = self.params.size
+        reducers = self.params.cfg.averaging.group_size  # GroupAverager's `max_reducers`
         if complete:
             peer.deadlines.observe(matchmaking, seconds)
             peer.link.observe(nbytes, seconds)
             if peer.link.measured:
-                peer.deadlines.set_allreduce_ceiling(allreduce_deadline(rule_size, group, peer.link.rate))
+                peer.deadlines.set_allreduce_ceiling(
+                    allreduce_deadline(rule_size, group, peer.link.rate, reducers)
+                )
         elif not peer.link.measured:
             peer.link.timed_out()
             target = max(group, self.params.cfg.averaging.group_size + 1)
-            peer.deadlines.set_allreduce_ceiling(allreduce_deadline(rule_size, target, peer.link.rate))
+            peer.deadlines.set_allreduce_ceiling(
+                allreduce_deadline(rule_size, target, peer.link.rate, reducers)
+            )
 
     def _averaged(self, peer_id: str, attempt: Attempt, label: str | None) -> None:
         peer = self.peers[peer_id]
