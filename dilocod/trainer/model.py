@@ -243,7 +243,12 @@ class Transformer(nn.Module):
         self.spec = spec
         # Recompute activations in backward to trade compute for memory on large presets.
         self.activation_checkpointing = False
-        self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
+        # Given its (uninitialised) weight, the embedding skips its default init: `init_weights` sets every
+        # parameter anyway, and on the meta device (`lm_skeleton`, `build_model`) that init's `normal_`
+        # imports torch._dynamo, about a second of every process's start-up.
+        self.embed = nn.Embedding(
+            spec.vocab_size, spec.d_model, _weight=torch.empty(spec.vocab_size, spec.d_model)
+        )
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
         self.norm = RMSNorm(spec.d_model, spec.norm_eps)
         # Tied: no head module, so no second name for the embedding in state_dict or parameters().
