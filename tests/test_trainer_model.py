@@ -175,3 +175,20 @@ def test_activation_checkpointing_matches() -> None:
     checkpointed = [p.grad for p in model.parameters() if p.grad is not None]
     for g1, g2 in zip(plain, checkpointed, strict=True):
         torch.testing.assert_close(g1, g2)
+
+
+def test_the_model_skeleton_is_cheap_to_build() -> None:
+    """The skeleton (names and shapes on the meta device) runs no default init: on meta, nn.Embedding's
+    `normal_` imported torch._dynamo, ~1 s of a bootstrap's start-up and of every process that sizes the
+    model. Checked in a fresh interpreter, where nothing has imported it yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dilocod.trainer.lm import lm_skeleton; from dilocod.trainer.model import ModelConfig;"
+        "m = lm_skeleton(ModelConfig(preset='tiny'));"
+        "assert m.embed.weight.is_meta; print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
