@@ -214,7 +214,8 @@ class Swarm:
     bootstrap: Proc | None = None
     maddr: str = ""
     peers: list[Proc] = field(default_factory=list)
-    poll_interval: float = 0.5  # between status polls in the wait_* helpers
+    # Between status polls in the wait_* helpers: a test waits at most this long past the moment it waits for.
+    poll_interval: float = 0.25
     config: Path = REPO / "configs" / "tiny.toml"  # every process's --config (the bootstrap's too)
 
     def __post_init__(self) -> None:
@@ -250,7 +251,7 @@ class Swarm:
         def maddrs() -> str | None:
             return maddr_file.read_text() if maddr_file.exists() else None
 
-        text = wait_for("the bootstrap's maddr file", maddrs, 60)
+        text = wait_for("the bootstrap's maddr file", maddrs, 60, interval=0.1)  # the peers start after it
         self.maddr = text.split()[0]
         return self.maddr
 

@@ -76,15 +76,15 @@ def test_the_steps_reported_while_a_state_downloads_are_what_it_is_held_to(
     assert got.swarm == {"donor": "donor", "peers_agreeing": 3, "peers_reporting": 3}
 
 
-def export_from(maddr: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return BackgroundExport(maddr, out).wait(timeout)
+def export_from(maddr: str, out: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return BackgroundExport(maddr, out, *extra).wait(timeout)
 
 
 class BackgroundExport:
     """`dilocod export --from maddr` started in the background; `wait` collects it (killed after)."""
 
-    def __init__(self, maddr: str, out: Path) -> None:
-        self.args = [sys.executable, "-m", "dilocod", "export", "--from", maddr, "--out", str(out)]
+    def __init__(self, maddr: str, out: Path, *extra: str) -> None:
+        self.args = [sys.executable, "-m", "dilocod", "export", "--from", maddr, "--out", str(out), *extra]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.popen = subprocess.Popen(
             self.args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -117,12 +117,13 @@ def test_export_from_a_running_swarm(tmp_path: Path) -> None:
     s = Swarm(tmp_path)
     try:
         s.start_bootstrap()
-        # A run with no trainer yet: nothing to export, said in one line.
-        assert "holds a θ_global" in error_line(export_from(s.maddr, tmp_path / "early"))
-        assert "does not answer" in error_line(silent.wait(60))
+        # A run with no trainer yet: nothing to export, said in one line once `--wait` is over.
+        early = error_line(export_from(s.maddr, tmp_path / "early", "--wait", "3"))
+        assert "holds a θ_global" in early and "record in 3s" in early, early
         # The bad donor claims the highest step and serves a poisoned θ_global that matches its own hash.
         s.add_peer()
         s.add_peer("adversary.mode=bad_donor")
+        assert "does not answer" in error_line(silent.wait(60))
         s.wait_all_at(2, timeout=150)
         done = export_from(s.maddr, tmp_path / "model")
         assert done.returncode == 0, done.stderr[-3000:]

@@ -110,7 +110,7 @@ def test_equal_peers_stay_in_one_full_group(swarm: Callable[..., Swarm]) -> None
         240,
     )
     first_full = full[0] + 2
-    statuses = s.wait_all_at(first_full + 20, timeout=360)
+    statuses = s.wait_all_at(first_full + 12, timeout=360)
     assert_one_theta_per_step(statuses)
     peer_rounds = [
         (e["outer_step"], e) for st in statuses for e in st["rounds"] if e["outer_step"] > first_full

@@ -33,10 +33,10 @@ SCORED = ("trainer.inner_steps=20", "scoring.enabled=true", "data.chunk_tokens=8
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The honest peers alone, scoring on: their statuses at outer step ROUNDS + 2; nobody is gated."""
+    """The honest peers alone, scoring on: their statuses at outer step ROUNDS + 1; nobody is gated."""
     s = start_run(tmp_path_factory.mktemp("clean"), HONEST, 0, None, *SCORED)
     try:
-        statuses = s.wait_all_at(ROUNDS + 2, timeout=300, evaluated=True)
+        statuses = s.wait_all_at(ROUNDS + 1, timeout=300, evaluated=True)
         for st in statuses:
             assert st["scoring"]["gated"] == [], (st["scoring"], s.log_tails())
         return statuses

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dilocod.commands.args import EXIT_INTERRUPTED, EXIT_USAGE, count, temperature
+from dilocod.commands.args import EXIT_INTERRUPTED, EXIT_USAGE, count, seconds, temperature
 
 
 def add_export_parsers(sub: Any) -> None:
@@ -32,6 +32,13 @@ def add_export_parsers(sub: Any) -> None:
         help="the run's dataset directory, for its tokenizer (default <run dir>/data; with --from, fetched)",
     )
     exp.add_argument("--config", type=Path, help="with --from: this machine's keys (e.g. run.key)")
+    exp.add_argument(
+        "--wait",
+        type=seconds,
+        metavar="SECONDS",
+        help="with --from: how long to wait for the peers' status records, and for most of them to agree on "
+        "the θ_global downloaded (default 20)",
+    )
     exp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 
     gen = sub.add_parser("generate", help="sample text from a run's θ_global or an exported model")
@@ -75,7 +82,11 @@ def _export_from(args: argparse.Namespace) -> Path:
     result: list[Path] = []
 
     async def main() -> int:
-        result.append(await export_from(args.from_maddr, args.out, local_raw, data_path=args.data_path))
+        result.append(
+            await export_from(
+                args.from_maddr, args.out, local_raw, data_path=args.data_path, record_seconds=args.wait
+            )
+        )
         return 0
 
     run_main(main())

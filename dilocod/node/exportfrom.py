@@ -76,9 +76,15 @@ def agreement(seen: dict[int, dict[str, str]], step: int, served: str) -> Agreem
 
 
 async def export_from(
-    maddr: str, out: Path, local_raw: dict[str, Any], *, data_path: Path | None = None
+    maddr: str,
+    out: Path,
+    local_raw: dict[str, Any],
+    *,
+    data_path: Path | None = None,
+    record_seconds: float | None = None,
 ) -> Path:
-    """Export the run's θ_global, as the peers of the run MADDR belongs to agree on it, into `out`."""
+    """Export the run's θ_global, as the peers of the run MADDR belongs to agree on it, into `out`.
+    `record_seconds`: how long to wait for the peers' records and their agreement (None: RECORD_SECONDS)."""
     out = Path(out)
     check_out(out)
     try:
@@ -93,7 +99,7 @@ async def export_from(
     )
     with tempfile.TemporaryDirectory(prefix="dilocod-export-") as tmp:
         tok, raw = await _tokenizer(cfg, vocab, maddr, Path(tmp), data_path)
-    run = await _theta_global(cfg, manifest, model, maddr)
+    run = await _theta_global(cfg, manifest, model, maddr, record_seconds or RECORD_SECONDS)
     return await asyncio.to_thread(write_export, out, run, tok, raw)
 
 
@@ -139,7 +145,9 @@ async def _small(p2p: Any, peer: Any, name: str, sha256: str, tmp: Path) -> Path
     return tmp / name
 
 
-async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, maddr: str) -> RunModel:
+async def _theta_global(
+    cfg: Config, manifest: Manifest, model: ModelConfig, maddr: str, record_seconds: float
+) -> RunModel:
     """θ_global from a donor, checked as the module's docstring says, with what identifies it."""
     family = "::" if ":" in cfg.net.host else "0.0.0.0"
     options = NodeSettings(
@@ -158,7 +166,7 @@ async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, mad
     )
     try:
         group.start()  # forks the averager process: from the main thread, as the peer does
-        return await _Download(cfg, manifest, model, node, group).run()
+        return await _Download(cfg, manifest, model, node, group, record_seconds).run()
     finally:
         await loop.run_in_executor(None, group.stop)
         await loop.run_in_executor(None, node.stop)
@@ -167,8 +175,17 @@ async def _theta_global(cfg: Config, manifest: Manifest, model: ModelConfig, mad
 class _Download:
     """Donors tried in turn until one serves a θ_global most reporting peers hold."""
 
-    def __init__(self, cfg: Config, manifest: Manifest, model: ModelConfig, node: Node, group: GroupAverager):
+    def __init__(
+        self,
+        cfg: Config,
+        manifest: Manifest,
+        model: ModelConfig,
+        node: Node,
+        group: GroupAverager,
+        record_seconds: float = RECORD_SECONDS,
+    ):
         self.cfg, self.manifest, self.model, self.node, self.group = cfg, manifest, model, node, group
+        self.record_seconds = record_seconds
         self.seen: dict[int, dict[str, str]] = {}  # outer step → peer → θ hash reported
 
     async def run(self) -> RunModel:
@@ -224,12 +241,12 @@ class _Download:
         return peers
 
     async def _wait_for_records(self) -> None:
-        deadline = time.monotonic() + RECORD_SECONDS
+        deadline = time.monotonic() + self.record_seconds
         while not await self.records():
             if time.monotonic() >= deadline:
                 raise ExportError(
                     f"no peer of run '{self.manifest.run_id}' holds a θ_global: none published a status "
-                    f"record in {RECORD_SECONDS:.0f}s"
+                    f"record in {self.record_seconds:.0f}s"
                 )
             await asyncio.sleep(0.5)
 
@@ -270,7 +287,7 @@ class _Download:
     async def _agreement(self, step: int, sha: str) -> Agreement:
         """The reports for `step`, once a majority agrees or the records had time to arrive (the watcher
         of `run` reads them)."""
-        deadline = time.monotonic() + RECORD_SECONDS
+        deadline = time.monotonic() + self.record_seconds
         while True:
             votes = agreement(self.seen, step, sha)
             if votes.majority or time.monotonic() >= deadline:
