@@ -107,7 +107,9 @@ def test_centered_clip_keeps_honest_loss_within_clean_noise(
             # sender, seen in a full suite) and leave it re-syncing for a few rounds. The run goes on.
             for attacker in (p.status()["peer_id"] for p in attackers):
                 try:
-                    honest = wait_for(f"an honest peer to ban {attacker}", partial(banned_by, s, attacker), 120)
+                    honest = wait_for(
+                        f"an honest peer to ban {attacker}", partial(banned_by, s, attacker), 120
+                    )
                 except AssertionError as e:
                     raise AssertionError(f"{e}\n{round_results([p.status() for p in s.peers])}") from None
             # every attacker refused at least once

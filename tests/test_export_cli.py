@@ -67,8 +67,14 @@ def test_errors_are_one_line_and_exit_2(
             "no checkpoint.pt",
         ),
         (["generate", "--model", str(tmp_path / "full"), "--prompt", "x"], "no config.json"),
-        (["export", "--from", "/ip4/127.0.0.1/tcp/1", "--out", str(tmp_path / "o"), "--wait", "0"], "out of range"),
-        (["export", "--from", "/ip4/127.0.0.1/tcp/1", "--out", str(tmp_path / "o"), "--wait", "soon"], "not a number"),
+        (
+            ["export", "--from", "/ip4/127.0.0.1/tcp/1", "--out", str(tmp_path / "o"), "--wait", "0"],
+            "out of range",
+        ),
+        (
+            ["export", "--from", "/ip4/127.0.0.1/tcp/1", "--out", str(tmp_path / "o"), "--wait", "soon"],
+            "not a number",
+        ),
         (["generate", "--run-dir", str(run_dir), "--prompt", "x", "--top-k", "-1"], "is negative"),
         (["generate", "--run-dir", str(run_dir), "--model", str(tmp_path), "--prompt", "x"], "not allowed"),
     ]
