@@ -199,9 +199,9 @@ class PeerDaemon:
         self._tasks.append(asyncio.create_task(show_progress(self.state, self.cfg.trainer.inner_steps)))
         self.state.facts.life = Phase.TRAINING
         log.info(
-            "peer %s joined run '%s' at outer step %d (inner step %d); listening on %s",
+            "peer %s joined run '%s' at outer step %d (inner step %d, θ %s); listening on %s",
             self.state.peer_id, self.cfg.run.id, self.state.rounds.outer_step, self.state.inner.inner_step,
-            ", ".join(self.state.facts.maddrs) or "(client mode)",
+            self.state.rounds.global_sha256[:12], ", ".join(self.state.facts.maddrs) or "(client mode)",
         )  # fmt: skip
 
     def _show_resumed(self, resumed: Resumed) -> None:
