@@ -246,7 +246,7 @@ class _Download:
             if time.monotonic() >= deadline:
                 raise ExportError(
                     f"no peer of run '{self.manifest.run_id}' holds a θ_global: none published a status "
-                    f"record in {self.record_seconds:.0f}s"
+                    f"record in {self.record_seconds:g}s"
                 )
             await asyncio.sleep(0.5)
 
